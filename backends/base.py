@@ -1,0 +1,80 @@
+"""The point-to-point transport contract every backend implements.
+
+Algorithms in `collectives/` are written once against this contract and run unchanged over
+threads, MPI, gRPC or NCCL. It is deliberately small:
+
+* `isend` / `irecv` move one 1-D contiguous buffer between two ranks and return a `Request`.
+  Messages between one pair of ranks with the same tag are matched in the order they were posted
+  (MPI's non-overtaking rule), so an algorithm may reuse one tag for a stream of segments.
+* Every message carries a short `header` (bytes) describing the collective it belongs to. The
+  receiver passes the header it expects; a different header fails the receive with
+  `MismatchError` naming both, which is how ranks that called different collectives (or the same
+  one with another shape, dtype, op or algorithm) find out instead of exchanging garbage.
+* `Request.wait(timeout)` raises the builtin `TimeoutError` when the timeout expires (the caller,
+  who knows the collective, turns it into a `CollectiveTimeoutError`), or a `CollectiveError`
+  when the peer aborted or the message did not match.
+* `abort(error)` tells every peer that this rank gives up, so they fail at once rather than wait.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Protocol
+
+import numpy as np
+
+Buffer = Any
+"""A 1-D C-contiguous array: numpy on CPU backends, cupy on GPU backends."""
+
+
+class Request(Protocol):
+    """A pending send or receive."""
+
+    def wait(self, timeout: float | None) -> None:
+        """Block until the operation completes.
+
+        Raises:
+            TimeoutError: `timeout` seconds passed first; the request stays pending.
+            CollectiveError: the peer aborted or the message did not match what was expected.
+        """
+        ...
+
+    def test(self) -> bool:
+        """Whether the operation has completed (successfully or not), without blocking."""
+        ...
+
+
+class Transport(abc.ABC):
+    """One rank's endpoint of a point-to-point fabric."""
+
+    rank: int
+    size: int
+    host: str
+    """Identity of the node this rank runs on; ranks with equal `host` share a node."""
+
+    @abc.abstractmethod
+    def isend(self, buf: Buffer, dst: int, tag: int, header: bytes) -> Request:
+        """Start sending `buf` to rank `dst`. `buf` must not change until the request completes."""
+
+    @abc.abstractmethod
+    def irecv(self, buf: Buffer, src: int, tag: int, header: bytes) -> Request:
+        """Start receiving from rank `src` into `buf`, whose size must equal the message's."""
+
+    @abc.abstractmethod
+    def abort(self, error: BaseException) -> None:
+        """Make every peer's pending and future operations with this fabric fail with `error`."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources. Pending requests fail; further calls are errors."""
+
+
+def check_buffer(buf: Buffer) -> None:
+    """Reject buffers the contract does not allow, with a message saying what was expected."""
+    if not isinstance(buf, np.ndarray) and not hasattr(buf, "__cuda_array_interface__"):
+        raise TypeError(f"transport buffers must be arrays, got {type(buf).__name__}")
+    if buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise ValueError(
+            f"transport buffers must be 1-D and C-contiguous, got ndim={buf.ndim}, "
+            f"contiguous={buf.flags.c_contiguous}"
+        )

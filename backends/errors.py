@@ -1,0 +1,67 @@
+"""The library's error hierarchy.
+
+It lives in the lowest layer because transports raise these errors themselves; `collectives`
+re-exports every name as part of its public API. Every message is written for the person reading
+a log from one rank of many: it names the rank that raised, the peer involved and what was expected.
+"""
+
+from __future__ import annotations
+
+
+class CollectiveError(RuntimeError):
+    """Base class of every error a collective operation or a transport raises."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A peer did not deliver (or accept) a message before the collective's deadline."""
+
+    def __init__(self, message: str, *, rank: int, peer: int, tag: int, seconds: float) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+        self.tag = tag
+        self.seconds = seconds
+
+
+class MismatchError(CollectiveError):
+    """Ranks called the same collective with different arguments (shape, dtype, op, algorithm...)."""
+
+
+class PeerLostError(CollectiveError):
+    """A peer aborted, exited or became unreachable, so the collective cannot complete."""
+
+
+class CommunicatorBrokenError(CollectiveError):
+    """The communicator failed earlier and refuses further work instead of hanging."""
+
+
+class BackendUnavailableError(CollectiveError, ImportError):
+    """An optional dependency needed by a backend is not installed."""
+
+    def __init__(self, backend: str, module: str, extra: str) -> None:
+        super().__init__(
+            f"the {backend!r} backend needs the Python package {module!r}, which is not installed; "
+            f"install it with: pip install -e '.[{extra}]'"
+        )
+        self.backend = backend
+        self.extra = extra
+
+
+ABORT_MISMATCH = "mismatch"
+ABORT_LOST = "lost"
+
+
+def abort_kind(error: BaseException) -> str:
+    """The kind under which an error is propagated to peers when a rank aborts."""
+    return ABORT_MISMATCH if isinstance(error, MismatchError) else ABORT_LOST
+
+
+def error_from_abort(origin: int, kind: str, text: str, *, rank: int) -> CollectiveError:
+    """Rebuild, on `rank`, the error that made rank `origin` abort.
+
+    A mismatch stays a `MismatchError` on every rank (each rank can then report both sides);
+    anything else surfaces as `PeerLostError` naming the rank that failed first.
+    """
+    if kind == ABORT_MISMATCH:
+        return MismatchError(f"{text} (reported to rank {rank} by rank {origin})")
+    return PeerLostError(f"rank {rank}: peer rank {origin} aborted: {text}")

@@ -1,0 +1,212 @@
+"""In-process transport: every rank is a thread, messages are real copies between buffers.
+
+All ranks of one world share a `ThreadFabric`. A send and a receive are matched by (source,
+destination, tag) in posting order, exactly like MPI, and whichever of the two is posted second
+copies the payload straight from the sender's buffer into the receiver's (one copy, no staging, and
+numpy releases the GIL while it copies, so ranks really run in parallel). Nothing is shared between
+ranks except through messages, so an algorithm that is correct here is correct over MPI.
+
+The fabric is also where failures propagate: `abort` wakes every pending request of every rank with
+the error, and later posts fail at once, which is how `run_threads` guarantees no rank hangs after
+another one raised.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Sequence
+
+import numpy as np
+
+from .base import Transport, check_buffer
+from .errors import CollectiveError, MismatchError, PeerLostError, abort_kind, error_from_abort
+
+_SEND = "send"
+_RECV = "recv"
+
+
+class _ThreadRequest:
+    """A posted send or receive; completed by the fabric."""
+
+    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "_event", "_error")
+
+    def __init__(self, kind: str, rank: int, peer: int, tag: int, buf: np.ndarray, header: bytes):
+        self.kind = kind
+        self.rank = rank
+        self.peer = peer
+        self.tag = tag
+        self.buf = buf
+        self.header = header
+        self._event = threading.Event()
+        self._error: CollectiveError | None = None
+
+    def wait(self, timeout: float | None) -> None:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self.kind} rank {self.rank} <-> {self.peer} tag {self.tag}")
+        if self._error is not None:
+            raise self._error
+
+    def test(self) -> bool:
+        return self._event.is_set()
+
+    def _finish(self, error: CollectiveError | None = None) -> None:
+        self._error = error
+        self.buf = None  # drop the reference: the buffer belongs to the caller again
+        self._event.set()
+
+
+class ThreadFabric:
+    """The shared switchboard of one in-process world."""
+
+    def __init__(self, hosts: Sequence[str]) -> None:
+        if not hosts:
+            raise ValueError("a fabric needs at least one rank")
+        self.hosts = tuple(hosts)
+        self.size = len(self.hosts)
+        self._lock = threading.Lock()
+        self._unmatched: dict[tuple[str, int, int, int], deque[_ThreadRequest]] = {}
+        self._pending: set[_ThreadRequest] = set()
+        self._closed: set[int] = set()
+        self._abort: tuple[int, str, str] | None = None
+
+    def endpoint(self, rank: int) -> "ThreadTransport":
+        """The transport of one rank."""
+        return ThreadTransport(self, rank)
+
+    def post(self, kind: str, rank: int, peer: int, tag: int, buf: np.ndarray, header: bytes):
+        """Post a send or receive; complete it at once if its partner is already waiting."""
+        check_buffer(buf)
+        if not 0 <= peer < self.size:
+            raise ValueError(f"rank {rank}: peer {peer} is outside the world of size {self.size}")
+        request = _ThreadRequest(kind, rank, peer, tag, buf, header)
+        src, dst = (rank, peer) if kind == _SEND else (peer, rank)
+        partner_kind = _RECV if kind == _SEND else _SEND
+        with self._lock:
+            failure = self._refusal(rank, peer)
+            if failure is not None:
+                request._finish(failure)
+                return request
+            partners = self._unmatched.get((partner_kind, src, dst, tag))
+            if not partners:
+                self._unmatched.setdefault((kind, src, dst, tag), deque()).append(request)
+                self._pending.add(request)
+                return request
+            partner = partners.popleft()
+            self._pending.discard(partner)
+        send, recv = (request, partner) if kind == _SEND else (partner, request)
+        _deliver(send, recv)
+        return request
+
+    def _refusal(self, rank: int, peer: int) -> CollectiveError | None:
+        """The error a new post must fail with, or None. Called with the lock held."""
+        if self._abort is not None:
+            return error_from_abort(*self._abort, rank=rank)
+        if rank in self._closed:
+            return PeerLostError(f"rank {rank}: transport already closed")
+        if peer in self._closed:
+            return PeerLostError(f"rank {rank}: peer rank {peer} has closed its transport")
+        return None
+
+    def abort(self, origin: int, error: BaseException) -> None:
+        """Fail every pending and future request of every rank with `error` from `origin`."""
+        with self._lock:
+            if self._abort is None:
+                self._abort = (origin, abort_kind(error), str(error))
+            victims = list(self._pending)
+            self._pending.clear()
+            self._unmatched.clear()
+            abort = self._abort
+        for request in victims:
+            request._finish(error_from_abort(*abort, rank=request.rank))
+
+    def close(self, rank: int) -> None:
+        """Close one rank's endpoint; requests that involve it fail instead of waiting forever."""
+        with self._lock:
+            self._closed.add(rank)
+            victims = [r for r in self._pending if rank in (r.rank, r.peer)]
+            for request in victims:
+                self._pending.discard(request)
+                src, dst = (request.rank, request.peer)
+                if request.kind == _RECV:
+                    src, dst = dst, src
+                self._unmatched[(request.kind, src, dst, request.tag)].remove(request)
+        for request in victims:
+            who = "transport" if request.rank == rank else f"peer rank {rank}'s transport"
+            request._finish(
+                PeerLostError(f"rank {request.rank}: {who} closed with a {request.kind} pending")
+            )
+
+
+def _deliver(send: _ThreadRequest, recv: _ThreadRequest) -> None:
+    """Copy a matched message, or fail both sides saying what each expected."""
+    error = None
+    if send.header != recv.header:
+        error = (
+            f"rank {recv.rank} expected from rank {send.rank}: {recv.header.decode(errors='replace')}"
+            f"; rank {send.rank} sent: {send.header.decode(errors='replace')}"
+        )
+    elif send.buf.nbytes != recv.buf.nbytes:
+        error = (
+            f"rank {recv.rank} expected {recv.buf.nbytes} bytes from rank {send.rank} "
+            f"(tag {send.tag}), rank {send.rank} sent {send.buf.nbytes} bytes"
+        )
+    if error is not None:
+        send._finish(MismatchError(error))
+        recv._finish(MismatchError(error))
+        return
+    if send.buf.dtype == recv.buf.dtype:
+        np.copyto(recv.buf, send.buf)
+    else:
+        np.copyto(recv.buf.view(np.uint8), send.buf.view(np.uint8))
+    send._finish()
+    recv._finish()
+
+
+class ThreadTransport(Transport):
+    """One rank's view of a `ThreadFabric`."""
+
+    def __init__(self, fabric: ThreadFabric, rank: int) -> None:
+        if not 0 <= rank < fabric.size:
+            raise ValueError(f"rank {rank} is outside the world of size {fabric.size}")
+        self.fabric = fabric
+        self.rank = rank
+        self.size = fabric.size
+        self.host = fabric.hosts[rank]
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> _ThreadRequest:
+        return self.fabric.post(_SEND, self.rank, dst, tag, buf, header)
+
+    def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> _ThreadRequest:
+        return self.fabric.post(_RECV, self.rank, src, tag, buf, header)
+
+    def abort(self, error: BaseException) -> None:
+        self.fabric.abort(self.rank, error)
+
+    def close(self) -> None:
+        self.fabric.close(self.rank)
+
+
+def node_hosts(world_size: int, ranks_per_node: int | Sequence[int] | None) -> list[str]:
+    """Host names that place ranks on emulated nodes, in rank order.
+
+    Args:
+        world_size: number of ranks.
+        ranks_per_node: None (one node), an int (equal nodes, the last may be smaller), or a
+            list of node sizes summing to `world_size` (uneven nodes).
+    """
+    if ranks_per_node is None:
+        sizes = [world_size]
+    elif isinstance(ranks_per_node, int):
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+        full, rest = divmod(world_size, ranks_per_node)
+        sizes = [ranks_per_node] * full + ([rest] if rest else [])
+    else:
+        sizes = [int(s) for s in ranks_per_node]
+        if any(s < 1 for s in sizes) or sum(sizes) != world_size:
+            raise ValueError(
+                f"ranks_per_node {list(ranks_per_node)} must be positive sizes summing to the "
+                f"world size {world_size}"
+            )
+    return [f"node{node}" for node, count in enumerate(sizes) for _ in range(count)]

@@ -1,0 +1,48 @@
+"""Collective-communication algorithms (ring, tree, hierarchical all-reduce, ...) over pluggable transports.
+
+Quick start, no cluster needed::
+
+    import numpy as np
+    import collectives
+
+    def step(comm):
+        return comm.allreduce(np.full(4, comm.rank, dtype=np.float32))
+
+    print(collectives.run_threads(step, world_size=4))
+
+Importing this package needs only numpy (and numba, used lazily for float16 kernels); concrete
+backends are imported when asked for.
+"""
+
+from backends.errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    MismatchError,
+    PeerLostError,
+)
+
+from ._version import __version__
+from .communicator import ALLREDUCE_ALGORITHMS, DEFAULT_TIMEOUT, Communicator, Work
+from .ops import REDUCTION_DTYPES, ReduceOp
+from .runner import run_threads
+from .topology import Topology
+
+__all__ = [
+    "ALLREDUCE_ALGORITHMS",
+    "BackendUnavailableError",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "Communicator",
+    "CommunicatorBrokenError",
+    "DEFAULT_TIMEOUT",
+    "MismatchError",
+    "PeerLostError",
+    "REDUCTION_DTYPES",
+    "ReduceOp",
+    "Topology",
+    "Work",
+    "__version__",
+    "run_threads",
+]

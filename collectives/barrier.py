@@ -1,0 +1,27 @@
+"""Dissemination barrier: in round k every rank signals rank + 2^k and waits for rank - 2^k.
+
+After ceil(log2 p) rounds every rank has (transitively) heard from every other, so none leaves
+before all have arrived. Messages are empty; only their arrival (and matching header) matters.
+
+Cost: ceil(log2 p) alpha.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .group import Group
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+def dissemination_barrier(group: Group) -> None:
+    """Return on every member only after every member has entered."""
+    p, r = group.size, group.rank
+    distance = 1
+    while distance < p:
+        token = np.empty(0, dtype=np.uint8)
+        receive = group.irecv(token, (r - distance) % p)
+        send = group.isend(_EMPTY, (r + distance) % p)
+        group.waitall([receive, send])
+        distance *= 2

@@ -1,0 +1,455 @@
+"""`Communicator`: the user-facing object that runs collectives over one transport.
+
+It owns what must be identical on every rank for collectives to be safe:
+
+* the order of operations: every call is queued to one communication thread and run in call order,
+  and gets the next tag block, so the k-th collective of every rank meets the k-th of the others;
+* the algorithm choice, made from data every rank has (message size, topology);
+* the header each message carries, which turns a rank calling with another shape, dtype, op,
+  root or algorithm into a `MismatchError` on every rank instead of garbage or a hang;
+* the deadline of every wait, and the broken state: after a failure the communicator tells its
+  peers (`Transport.abort`) and refuses further work at once.
+
+Blocking calls are the async ones plus `wait()`. Inputs are read, never written (unless `out` is
+the input); async callers must not modify an input until its `Work` is done.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from backends.base import Transport
+from backends.errors import CommunicatorBrokenError
+
+from ._version import __version__
+from .barrier import dissemination_barrier
+from .group import SUBTAGS_PER_COLLECTIVE, Group
+from .hierarchical import hierarchical_allreduce
+from .layout import DEFAULT_SEGMENT_BYTES, even_bounds
+from .ops import ReduceOp, check_reduction, finalize
+from .reference import reference_allreduce
+from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from .topology import Topology
+from .tree import tree_allreduce, tree_broadcast
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 60.0
+"""Seconds any single collective may take before it fails with `CollectiveTimeoutError`."""
+
+ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
+"""Algorithms `allreduce` accepts by name, besides "auto"."""
+
+SMALL_MESSAGE_BYTES = 64 * 1024
+"""Below this size `auto` prefers the latency-optimal tree to the bandwidth-optimal ring."""
+
+_HOST_RECORD_BYTES = 128
+_TAG_WRAP = 1 << 24
+
+
+class Work(concurrent.futures.Future):
+    """Handle of an asynchronous collective; a `concurrent.futures.Future` with `wait`.
+
+    Collectives cannot be cancelled: every rank must run the same sequence of them.
+    """
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the collective finishes and return its result (or raise its error).
+
+        Raises:
+            TimeoutError: `timeout` seconds passed first (the collective keeps running).
+        """
+        return self.result(timeout)
+
+    def cancel(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class _Task:
+    seq: int
+    header: bytes
+    run: Callable[[Group], Any]
+    work: Work
+
+
+class Communicator:
+    """Collective operations among the ranks reachable through `transport`.
+
+    Args:
+        transport: this rank's endpoint (threads, MPI, gRPC, ...).
+        timeout: seconds each collective may take before failing with `CollectiveTimeoutError`.
+        segment_bytes: pipelining granularity of the algorithms.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if segment_bytes < 1:
+            raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
+        self._transport = transport
+        self.timeout = float(timeout)
+        self.segment_bytes = int(segment_bytes)
+        self.last_algorithm: str | None = None
+        """The algorithm the most recent all-reduce call resolved to (after "auto")."""
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._sequence = itertools.count(1)
+        self._submit_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self.topology = Topology(self._exchange_hosts())
+        self._thread = threading.Thread(
+            target=self._serve, name=f"collectives-rank{self.rank}", daemon=True
+        )
+        self._thread.start()
+
+    # -- identity ---------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._transport.rank
+
+    @property
+    def size(self) -> int:
+        return self._transport.size
+
+    @property
+    def node(self) -> int:
+        """Index of this rank's node (nodes numbered by their lowest rank)."""
+        return self.topology.node_of(self.rank)
+
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return self.topology.local_size(self.rank)
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def __repr__(self) -> str:
+        state = "broken" if self.broken else "closed" if self._closed else "ok"
+        return (
+            f"<Communicator rank {self.rank}/{self.size} node {self.node} "
+            f"local {self.local_rank}/{self.local_size} {state}>"
+        )
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    def allreduce(self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None) -> np.ndarray:
+        """Reduce `x` elementwise over all ranks; every rank gets the identical result.
+
+        Args:
+            x: array of any shape; dtype float16/32/64 or int32/64.
+            op: "sum", "mean", "max", "min" or "prod".
+            algorithm: "auto" or one of `ALLREDUCE_ALGORITHMS`; the choice is in `last_algorithm`.
+            out: array of x's shape and dtype to write into (`out=x` reduces in place).
+
+        Returns:
+            The reduced array (`out` if given), of x's shape and dtype.
+        """
+        return self.allreduce_async(x, op, algorithm, out).wait()
+
+    def allreduce_async(self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None) -> Work:
+        """Start `allreduce`; returns a `Work` whose result is the reduced array."""
+        op = ReduceOp.parse(op)
+        src = _as_array(x)
+        check_reduction(op, src.dtype)
+        chosen = self._choose_allreduce(algorithm, src.nbytes)
+        self.last_algorithm = chosen
+        result, target = _output(out, src.shape, src.dtype)
+        flat = _flat(src)
+        if self.size == 1:
+            return _done(_copy_back(result, target, flat))
+        nodes = self.topology.nodes
+
+        def run(group: Group) -> np.ndarray:
+            if chosen == "reference":
+                reference_allreduce(group, flat, target, op)
+            elif chosen.startswith("hierarchical"):
+                inner = "tree" if chosen == "hierarchical_tree" else "ring"
+                hierarchical_allreduce(group, nodes, flat, target, op, inner=inner, segment_bytes=self.segment_bytes)
+            else:
+                algorithm_function = ring_allreduce if chosen == "ring" else tree_allreduce
+                algorithm_function(group, flat, target, op, segment_bytes=self.segment_bytes)
+            return _copy_back(result, target)
+
+        return self._submit(_header("allreduce", src, algorithm=chosen, op=op.value), run)
+
+    def reduce_scatter(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        """Reduce `x` over all ranks and keep this rank's block of rows (ring algorithm).
+
+        The first axis is split as evenly as possible, the first `x.shape[0] % size` ranks getting
+        one row more (as Horovod does).
+
+        Returns:
+            This rank's rows of the reduction, shape (rows_of_this_rank, *x.shape[1:]).
+        """
+        return self.reduce_scatter_async(x, op, out).wait()
+
+    def reduce_scatter_async(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> Work:
+        """Start `reduce_scatter`; returns a `Work` whose result is this rank's block."""
+        op = ReduceOp.parse(op)
+        src = _as_array(x)
+        check_reduction(op, src.dtype)
+        if src.ndim == 0:
+            raise ValueError("reduce_scatter needs an array with at least one dimension to split")
+        rows = even_bounds(src.shape[0], self.size)
+        row_items = math.prod(src.shape[1:])
+        bounds = [row * row_items for row in rows]
+        shape = (rows[self.rank + 1] - rows[self.rank], *src.shape[1:])
+        result, target = _output(out, shape, src.dtype)
+        flat = _flat(src)
+        mine = slice(bounds[self.rank], bounds[self.rank + 1])
+        if self.size == 1:
+            return _done(_copy_back(result, target, flat[mine]))
+
+        def run(group: Group) -> np.ndarray:
+            work_space = np.empty_like(flat)
+            ring_reduce_scatter(group, flat, work_space, op, bounds, segment_bytes=self.segment_bytes)
+            finalize(op, work_space[mine], self.size)
+            return _copy_back(result, target, work_space[mine])
+
+        return self._submit(_header("reduce_scatter", src, algorithm="ring", op=op.value), run)
+
+    def allgather(self, x: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Concatenate every rank's `x` (same shape on all ranks) along the first axis, rank order.
+
+        Returns:
+            Shape (size * x.shape[0], *x.shape[1:]); a 0-d `x` gives shape (size,).
+        """
+        return self.allgather_async(x, out).wait()
+
+    def allgather_async(self, x: Any, out: np.ndarray | None = None) -> Work:
+        """Start `allgather`; returns a `Work` whose result is the concatenation."""
+        src = _as_array(x, reduction=False)
+        rows = src.shape[0] if src.ndim else 1
+        shape = (self.size * rows, *src.shape[1:])
+        result, target = _output(out, shape, src.dtype)
+        bounds = [rank * src.size for rank in range(self.size + 1)]
+        flat = _flat(src)
+        own = slice(bounds[self.rank], bounds[self.rank + 1])
+        if self.size == 1:
+            return _done(_copy_back(result, target, flat))
+
+        def run(group: Group) -> np.ndarray:
+            target[own] = flat
+            ring_allgather(group, target, bounds, segment_bytes=self.segment_bytes)
+            return _copy_back(result, target)
+
+        return self._submit(_header("allgather", src, algorithm="ring"), run)
+
+    def broadcast(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+        """Return rank `root`'s `x` on every rank (pipelined binary tree).
+
+        Every rank passes an array of the same shape and dtype; only the root's values are used.
+        `out=x` broadcasts in place, like MPI_Bcast.
+        """
+        return self.broadcast_async(x, root, out).wait()
+
+    def broadcast_async(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> Work:
+        """Start `broadcast`; returns a `Work` whose result is the root's array."""
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"root must be a rank in 0..{self.size - 1}, got {root!r}")
+        root = int(root)
+        src = _as_array(x, reduction=False)
+        result, target = _output(out, src.shape, src.dtype)
+        flat = _flat(src)
+        if self.size == 1:
+            return _done(_copy_back(result, target, flat))
+
+        def run(group: Group) -> np.ndarray:
+            if group.rank == root and not np.may_share_memory(target, flat):
+                target[...] = flat
+            tree_broadcast(group, target, root, segment_bytes=self.segment_bytes)
+            return _copy_back(result, target)
+
+        return self._submit(_header("broadcast", src, algorithm="tree", root=root), run)
+
+    def barrier(self) -> None:
+        """Return only after every rank has called `barrier`."""
+        self.barrier_async().wait()
+
+    def barrier_async(self) -> Work:
+        """Start `barrier`; returns a `Work` whose result is None."""
+        if self.size == 1:
+            return _done(None)
+        return self._submit(b"barrier", dissemination_barrier)
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish queued collectives, stop the communication thread and close the transport."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        self._transport.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _choose_allreduce(self, algorithm: str, nbytes: int) -> str:
+        if algorithm != "auto":
+            if algorithm not in ALLREDUCE_ALGORITHMS:
+                names = ", ".join(repr(a) for a in ("auto", *ALLREDUCE_ALGORITHMS))
+                raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {names}")
+            return algorithm
+        if self.topology.is_hierarchical:
+            return "hierarchical_tree" if nbytes < SMALL_MESSAGE_BYTES else "hierarchical"
+        return "tree" if nbytes < SMALL_MESSAGE_BYTES else "ring"
+
+    def _unusable(self) -> CommunicatorBrokenError | None:
+        """Why no new collective may start, or None."""
+        if self._broken is not None:
+            return CommunicatorBrokenError(
+                f"rank {self.rank}: the communicator is broken since an earlier collective failed "
+                f"({type(self._broken).__name__}: {self._broken}); create a new one"
+            )
+        if self._closed:
+            return CommunicatorBrokenError(f"rank {self.rank}: the communicator is closed")
+        return None
+
+    def _submit(self, header: bytes, run: Callable[[Group], Any]) -> Work:
+        work = Work()
+        with self._submit_lock:
+            if (refusal := self._unusable()) is not None:
+                raise refusal
+            seq = next(self._sequence)
+            self._queue.put(_Task(seq, header, run, work))
+        return work
+
+    def _group(self, seq: int, header: bytes) -> Group:
+        tag = (seq % _TAG_WRAP) * SUBTAGS_PER_COLLECTIVE
+        deadline = time.monotonic() + self.timeout
+        return Group(self._transport, tuple(range(self.size)), tag, header, deadline, self.timeout)
+
+    def _serve(self) -> None:
+        """The communication thread: run queued collectives one at a time, in call order."""
+        while (task := self._queue.get()) is not None:
+            task.work.set_running_or_notify_cancel()
+            if self._broken is not None:  # queued before the failure: fail fast, do not talk
+                task.work.set_exception(self._unusable())
+                continue
+            try:
+                task.work.set_result(task.run(self._group(task.seq, task.header)))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller through Work
+                self._break(error)
+                task.work.set_exception(error)
+
+    def _break(self, error: BaseException) -> None:
+        """Remember the failure and make every peer fail fast instead of waiting for us."""
+        if self._broken is None:
+            self._broken = error
+            log.error("rank %d: collective failed, communicator is now broken: %s", self.rank, error)
+        self._transport.abort(error)
+
+    def _exchange_hosts(self) -> tuple[str, ...]:
+        """Learn every rank's host, so that all ranks build the same topology."""
+        host = self._transport.host
+        record = host.encode()
+        if len(record) > _HOST_RECORD_BYTES:
+            record = hashlib.blake2b(record, digest_size=_HOST_RECORD_BYTES // 4).hexdigest().encode()
+        table = np.zeros(self.size * _HOST_RECORD_BYTES, dtype=np.uint8)
+        table[self.rank * _HOST_RECORD_BYTES : self.rank * _HOST_RECORD_BYTES + len(record)] = np.frombuffer(record, np.uint8)
+        if self.size > 1:
+            header = f"communicator setup (collectives {__version__})".encode()
+            group = self._group(0, header)
+            bounds = [rank * _HOST_RECORD_BYTES for rank in range(self.size + 1)]
+            try:
+                ring_allgather(group, table, bounds)
+            except BaseException as error:
+                self._break(error)
+                raise
+        rows = table.reshape(self.size, _HOST_RECORD_BYTES)
+        return tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows)
+
+
+# -- argument handling ------------------------------------------------------------------------------
+
+
+def _as_array(x: Any, *, reduction: bool = True) -> np.ndarray:
+    """The input as a numpy array, or a TypeError saying what was expected."""
+    if isinstance(x, np.ndarray):
+        array = x
+    elif hasattr(x, "__array__") or isinstance(x, (int, float, list, tuple)):
+        array = np.asarray(x)
+    else:
+        raise TypeError(f"expected a numpy array (or array-like), got {type(x).__name__}")
+    if not reduction and (array.dtype.hasobject or array.dtype.kind not in "biufc"):
+        raise TypeError(f"cannot communicate arrays of dtype {array.dtype}; use a numeric dtype")
+    return array
+
+
+def _output(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(array returned to the caller, flat contiguous buffer the algorithm writes)."""
+    if out is None:
+        result = np.empty(shape, dtype=dtype)
+        return result, result.reshape(-1)
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.shape != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"out must have shape {tuple(shape)} and dtype {dtype}, got shape {out.shape} and dtype {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
+    if out.flags.c_contiguous:
+        return out, out.reshape(-1)
+    return out, np.empty(out.size, dtype=dtype)
+
+
+def _flat(array: np.ndarray) -> np.ndarray:
+    """A 1-D C-contiguous view of `array` (a copy only if it is not contiguous)."""
+    return np.ascontiguousarray(array).reshape(-1)
+
+
+def _copy_back(result: np.ndarray, target: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
+    """Move `source` (if given) into `target`, then `target` into `result` if they differ."""
+    if source is not None and not np.may_share_memory(source, target):
+        target[...] = source
+    if not np.may_share_memory(result, target):
+        result[...] = target.reshape(result.shape)
+    return result
+
+
+def _header(collective: str, src: np.ndarray, *, algorithm: str, op: str | None = None, root: int | None = None) -> bytes:
+    """What every message of this collective carries; ranks must agree on all of it."""
+    words = [collective, f"algorithm={algorithm}", f"dtype={src.dtype}", f"shape={src.shape}"]
+    if op is not None:
+        words.append(f"op={op}")
+    if root is not None:
+        words.append(f"root={root}")
+    return " ".join(words).encode()
+
+
+def _done(result: Any) -> Work:
+    work = Work()
+    work.set_running_or_notify_cancel()
+    work.set_result(result)
+    return work

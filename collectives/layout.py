@@ -1,0 +1,32 @@
+"""How buffers are cut into per-rank chunks and pipelined segments.
+
+Every rank must cut a buffer identically, so these are pure functions of sizes only.
+"""
+
+from __future__ import annotations
+
+DEFAULT_SEGMENT_BYTES = 256 * 1024
+"""Pipelining granularity: small enough to stay in cache, large enough to amortise per-message cost."""
+
+
+def even_bounds(count: int, parts: int) -> list[int]:
+    """Boundaries of `parts` contiguous chunks of `count` items, the first `count % parts` one larger.
+
+    >>> even_bounds(10, 4)
+    [0, 3, 6, 8, 10]
+    """
+    base, extra = divmod(count, parts)
+    bounds = [0]
+    for part in range(parts):
+        bounds.append(bounds[-1] + base + (1 if part < extra else 0))
+    return bounds
+
+
+def segments(lo: int, hi: int, segment_items: int) -> list[tuple[int, int]]:
+    """Split [lo, hi) into consecutive pieces of at most `segment_items` items."""
+    return [(start, min(start + segment_items, hi)) for start in range(lo, hi, segment_items)]
+
+
+def segment_items(itemsize: int, segment_bytes: int) -> int:
+    """Items per segment for a given element size (at least one)."""
+    return max(1, segment_bytes // max(1, itemsize))

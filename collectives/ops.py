@@ -1,0 +1,89 @@
+"""Reduction operators and the kernels that apply them to buffers.
+
+Algorithms only ever call `combine(op, a, b, out)` (out = a op b, elementwise, `out` may alias `a`)
+and `finalize(op, buf, contributors)` (the last step of `mean`). The kernels are numpy ufuncs,
+which are already as fast as memory allows for float32/float64/int32/int64; float16 goes through
+numba kernels (`_half`) because numpy's float16 arithmetic runs at a few percent of memory speed.
+Float16 is accumulated in float32 and rounded once per step, like NCCL does.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from . import _half
+
+
+class ReduceOp(str, enum.Enum):
+    """The reduction applied by all-reduce and reduce-scatter."""
+
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+    @classmethod
+    def parse(cls, op: "str | ReduceOp") -> "ReduceOp":
+        """Accept a ReduceOp or its name, case-insensitively, with a clear error otherwise."""
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls(op.lower())
+            except ValueError:
+                pass
+        names = ", ".join(repr(o.value) for o in cls)
+        raise ValueError(f"unknown reduction op {op!r}; expected one of {names}")
+
+
+REDUCTION_DTYPES = tuple(
+    np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64)
+)
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.MEAN: np.add,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.PROD: np.multiply,
+}
+_HALF_KERNEL_NAMES = {
+    ReduceOp.SUM: "sum",
+    ReduceOp.MEAN: "sum",
+    ReduceOp.MAX: "max",
+    ReduceOp.MIN: "min",
+    ReduceOp.PROD: "prod",
+}
+
+
+def check_reduction(op: ReduceOp, dtype: np.dtype) -> None:
+    """Raise TypeError when `op` cannot reduce arrays of `dtype`."""
+    if dtype not in REDUCTION_DTYPES:
+        allowed = ", ".join(str(d) for d in REDUCTION_DTYPES)
+        raise TypeError(f"cannot reduce arrays of dtype {dtype}; supported dtypes: {allowed}")
+    if op is ReduceOp.MEAN and dtype.kind != "f":
+        raise TypeError(
+            f"op 'mean' needs a floating-point dtype, got {dtype}; use op='sum' and divide, "
+            f"or cast to a float dtype first"
+        )
+
+
+def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a op b elementwise (for `mean` this is the sum; `finalize` divides at the end)."""
+    if out.dtype == np.float16:
+        _half.half_reduce(_HALF_KERNEL_NAMES[op], a, b, out)
+    else:
+        _UFUNCS[op](a, b, out=out)
+
+
+def finalize(op: ReduceOp, buf: np.ndarray, contributors: int) -> None:
+    """Apply the last step of `op` to a fully reduced buffer (divide by the count for `mean`)."""
+    if op is not ReduceOp.MEAN or contributors == 1 or buf.size == 0:
+        return
+    if buf.dtype == np.float16:
+        _half.half_scale(buf, contributors)
+    else:
+        np.divide(buf, contributors, out=buf)

@@ -1,0 +1,163 @@
+"""Tree all-reduce over a double binary tree, and a pipelined tree broadcast.
+
+A binary tree reduces towards a root and broadcasts back in about 2 log2(p) steps, far fewer than
+the ring's 2(p-1), so it wins for small messages. A single tree wastes half the bandwidth (leaves
+only send once, inner nodes do all the work), so, as in NCCL, two complementary trees each carry
+half of the buffer: every rank that is an inner node in one tree is a leaf in the other (for even
+p; for odd p the second tree is shifted and rank 0 is inner in both)::
+
+    tree A (p=8)            tree B: mirror image (rank -> 7-rank)
+    0 -- 4                  7 -- 3
+        / \                     / \
+       2   6                   5   1
+      / \ / \                 / \ / \
+     1  3 5  7               6  4 2  0
+
+Tree A follows NCCL's bit rule: the parent of r is found by clearing r's lowest set bit and setting
+the next one up (or just clearing it if that is past the end). Both halves are cut into segments
+that flow up (reduce) and then down (broadcast) the trees as a pipeline; the two trees alternate
+segment by segment so each rank's links in both trees stay busy.
+
+Cost for n bytes on p ranks, with S segments (each tree carries n/2)::
+
+    all-reduce: 2 (log2(p) + S) alpha + ~2 n beta + ~n gamma   (pipelined, both trees at once)
+    broadcast:  (log2(p) + S) alpha + ~2 n beta                 (single binary tree)
+
+Logarithmic latency; per-rank bandwidth is worse than the ring's by a constant, so large messages
+go to the ring.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .group import Group, Pending
+from .layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
+from .ops import ReduceOp, combine, finalize
+from .pipeline import ReceiveStream
+
+
+@functools.lru_cache(maxsize=256)
+def binary_tree(size: int) -> tuple[tuple[int | None, ...], tuple[tuple[int, ...], ...]]:
+    """NCCL's binary tree rooted at 0: (parent of each rank, children of each rank)."""
+    parents: list[int | None] = [None]
+    for rank in range(1, size):
+        low_bit = rank & -rank
+        parent = (rank ^ low_bit) | (low_bit << 1)
+        parents.append(parent if parent < size else rank ^ low_bit)
+    children: list[list[int]] = [[] for _ in range(size)]
+    for rank, parent in enumerate(parents):
+        if parent is not None:
+            children[parent].append(rank)
+    return tuple(parents), tuple(tuple(sorted(c)) for c in children)
+
+
+@functools.lru_cache(maxsize=256)
+def double_binary_tree(size: int) -> tuple[tuple, tuple]:
+    """Two complementary trees: NCCL's tree, and its mirror (even size) or shift (odd size)."""
+    parents, children = binary_tree(size)
+    if size % 2 == 0:
+        relabel = [size - 1 - rank for rank in range(size)]
+    else:
+        relabel = [(rank + 1) % size for rank in range(size)]
+    second_parents: list[int | None] = [None] * size
+    second_children: list[tuple[int, ...]] = [()] * size
+    for rank in range(size):
+        parent = parents[rank]
+        second_parents[relabel[rank]] = None if parent is None else relabel[parent]
+        second_children[relabel[rank]] = tuple(sorted(relabel[c] for c in children[rank]))
+    return (parents, children), (tuple(second_parents), tuple(second_children))
+
+
+def tree_allreduce(
+    group: Group,
+    src: np.ndarray,
+    dst: np.ndarray,
+    op: ReduceOp,
+    *,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+) -> None:
+    """dst = op over all members of src, over a double binary tree; `src` may be `dst`."""
+    p, r = group.size, group.rank
+    if p == 1:
+        if src is not dst:
+            dst[...] = src
+        return
+    trees = double_binary_tree(p)
+    half = src.size // 2
+    per_segment = segment_items(src.itemsize, segment_bytes)
+    pieces = [segments(0, half, per_segment), segments(half, src.size, per_segment)]
+    # Alternate the trees segment by segment: (tree, lo, hi) in the order every rank processes.
+    order = [
+        (tree, *pieces[tree][k])
+        for k in range(max(len(pieces[0]), len(pieces[1])))
+        for tree in (0, 1)
+        if k < len(pieces[tree])
+    ]
+    up_subtag, down_subtag = (0, 1), (2, 3)
+
+    # Reduce: combine the children's partial results into dst, pass them to the parent.
+    streams = {
+        (tree, child): ReceiveStream(
+            group, child, up_subtag[tree], [hi - lo for lo, hi in pieces[tree]], src.dtype
+        )
+        for tree in (0, 1)
+        for child in trees[tree][1][r]
+    }
+    sends: list[Pending] = []
+    for tree, lo, hi in order:
+        parent, children = trees[tree][0][r], trees[tree][1][r]
+        partial = src[lo:hi]
+        for child in children:
+            combine(op, partial, streams[tree, child].next(), out=dst[lo:hi])
+            partial = dst[lo:hi]
+        if parent is None:  # a root always has children when p > 1, so dst holds the result
+            finalize(op, dst[lo:hi], p)
+        else:
+            sends.append(group.isend(partial, parent, up_subtag[tree]))
+    group.waitall(sends)  # partial results must leave dst before the final results land there
+
+    # Broadcast: receive each final segment from the parent, forward it to the children.
+    receives = {
+        (tree, lo): group.irecv(dst[lo:hi], trees[tree][0][r], down_subtag[tree])
+        for tree, lo, hi in order
+        if trees[tree][0][r] is not None
+    }
+    sends = []
+    for tree, lo, hi in order:
+        if (tree, lo) in receives:
+            group.wait(receives[tree, lo])
+        for child in trees[tree][1][r]:
+            sends.append(group.isend(dst[lo:hi], child, down_subtag[tree]))
+    group.waitall(sends)
+
+
+def tree_broadcast(
+    group: Group,
+    buf: np.ndarray,
+    root: int,
+    *,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+) -> None:
+    """Copy `buf` of member `root` into `buf` of every member, pipelined down a binary tree."""
+    p = group.size
+    if p == 1:
+        return
+    parents, children = binary_tree(p)
+    virtual = (group.rank - root) % p  # relabel so that `root` is the tree's root
+
+    def real(rank: int) -> int:
+        return (rank + root) % p
+
+    pieces = segments(0, buf.size, segment_items(buf.itemsize, segment_bytes))
+    parent = parents[virtual]
+    receives = [] if parent is None else [group.irecv(buf[lo:hi], real(parent)) for lo, hi in pieces]
+    sends: list[Pending] = []
+    for index, (lo, hi) in enumerate(pieces):
+        if receives:
+            group.wait(receives[index])
+        for child in children[virtual]:
+            sends.append(group.isend(buf[lo:hi], real(child)))
+    group.waitall(sends)
