@@ -14,12 +14,16 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
   who knows the collective, turns it into a `CollectiveTimeoutError`), or a `CollectiveError`
   when the peer aborted or the message did not match.
 * `abort(error)` tells every peer that this rank gives up, so they fail at once rather than wait.
+* Optionally (`fuses_receive_reduce = True`), `irecv_reduce` hands the incoming message to a
+  callback instead of storing it, so a reduction reads the peer's data once, straight from where
+  it arrives (the threads backend reads the sender's buffer). Algorithms fall back to receiving
+  into scratch and reducing from there when a backend does not offer it.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -59,6 +63,19 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def irecv(self, buf: Buffer, src: int, tag: int, header: bytes) -> Request:
         """Start receiving from rank `src` into `buf`, whose size must equal the message's."""
+
+    fuses_receive_reduce: bool = False
+    """Whether `irecv_reduce` is available."""
+
+    def irecv_reduce(
+        self, buf: Buffer, src: int, tag: int, header: bytes, consume: Callable[[Buffer], None]
+    ) -> Request:
+        """Receive a message of `buf`'s size from `src` and call `consume(message)` with it.
+
+        `consume` may run on any thread, at any time before the request completes; `buf` only
+        gives the expected size. Only for backends with `fuses_receive_reduce`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not fuse receive and reduce")
 
     @abc.abstractmethod
     def abort(self, error: BaseException) -> None:

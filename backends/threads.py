@@ -13,9 +13,10 @@ another one raised.
 
 from __future__ import annotations
 
+import _thread
 import threading
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -27,33 +28,49 @@ _RECV = "recv"
 
 
 class _ThreadRequest:
-    """A posted send or receive; completed by the fabric."""
+    """A posted send or receive; completed by the fabric.
 
-    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "_event", "_error")
+    Completion is a raw lock held from creation until the request finishes: the cheapest
+    primitive CPython has (an Event costs a Condition and several Python-level calls per message).
+    """
 
-    def __init__(self, kind: str, rank: int, peer: int, tag: int, buf: np.ndarray, header: bytes):
+    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "consume", "_done", "_error")
+
+    def __init__(
+        self,
+        kind: str,
+        rank: int,
+        peer: int,
+        tag: int,
+        buf: np.ndarray,
+        header: bytes,
+        consume: Callable[[np.ndarray], None] | None = None,
+    ):
         self.kind = kind
+        self.consume = consume
         self.rank = rank
         self.peer = peer
         self.tag = tag
         self.buf = buf
         self.header = header
-        self._event = threading.Event()
+        self._done = _thread.allocate_lock()
+        self._done.acquire()
         self._error: CollectiveError | None = None
 
     def wait(self, timeout: float | None) -> None:
-        if not self._event.wait(timeout):
+        if not self._done.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError(f"{self.kind} rank {self.rank} <-> {self.peer} tag {self.tag}")
+        self._done.release()  # stay completed for any later wait or test
         if self._error is not None:
             raise self._error
 
     def test(self) -> bool:
-        return self._event.is_set()
+        return not self._done.locked()
 
     def _finish(self, error: CollectiveError | None = None) -> None:
         self._error = error
-        self.buf = None  # drop the reference: the buffer belongs to the caller again
-        self._event.set()
+        self.buf = self.consume = None  # drop references: the buffer is the caller's again
+        self._done.release()
 
 
 class ThreadFabric:
@@ -74,12 +91,21 @@ class ThreadFabric:
         """The transport of one rank."""
         return ThreadTransport(self, rank)
 
-    def post(self, kind: str, rank: int, peer: int, tag: int, buf: np.ndarray, header: bytes):
+    def post(
+        self,
+        kind: str,
+        rank: int,
+        peer: int,
+        tag: int,
+        buf: np.ndarray,
+        header: bytes,
+        consume: Callable[[np.ndarray], None] | None = None,
+    ) -> _ThreadRequest:
         """Post a send or receive; complete it at once if its partner is already waiting."""
         check_buffer(buf)
         if not 0 <= peer < self.size:
             raise ValueError(f"rank {rank}: peer {peer} is outside the world of size {self.size}")
-        request = _ThreadRequest(kind, rank, peer, tag, buf, header)
+        request = _ThreadRequest(kind, rank, peer, tag, buf, header, consume)
         src, dst = (rank, peer) if kind == _SEND else (peer, rank)
         partner_kind = _RECV if kind == _SEND else _SEND
         with self._lock:
@@ -155,7 +181,14 @@ def _deliver(send: _ThreadRequest, recv: _ThreadRequest) -> None:
         send._finish(MismatchError(error))
         recv._finish(MismatchError(error))
         return
-    if send.buf.dtype == recv.buf.dtype:
+    if recv.consume is not None:
+        try:
+            recv.consume(send.buf)
+        except BaseException as failure:  # noqa: BLE001 - reported to the receiver, not the sender
+            send._finish()
+            recv._finish(PeerLostError(f"rank {recv.rank}: reducing the message from rank {send.rank} failed: {failure!r}"))
+            return
+    elif send.buf.dtype == recv.buf.dtype:
         np.copyto(recv.buf, send.buf)
     else:
         np.copyto(recv.buf.view(np.uint8), send.buf.view(np.uint8))
@@ -179,6 +212,18 @@ class ThreadTransport(Transport):
 
     def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> _ThreadRequest:
         return self.fabric.post(_RECV, self.rank, src, tag, buf, header)
+
+    fuses_receive_reduce = True
+
+    def irecv_reduce(
+        self,
+        buf: np.ndarray,
+        src: int,
+        tag: int,
+        header: bytes,
+        consume: Callable[[np.ndarray], None],
+    ) -> _ThreadRequest:
+        return self.fabric.post(_RECV, self.rank, src, tag, buf, header, consume)
 
     def abort(self, error: BaseException) -> None:
         self.fabric.abort(self.rank, error)

@@ -17,6 +17,8 @@ the input); async callers must not modify an input until its `Work` is done.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -25,7 +27,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -64,19 +66,26 @@ class Work(concurrent.futures.Future):
     Collectives cannot be cancelled: every rank must run the same sequence of them.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._run_here: Callable[[], None] | None = None
+
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finishes and return its result (or raise its error).
 
         Raises:
             TimeoutError: `timeout` seconds passed first (the collective keeps running).
         """
+        if self._run_here is not None:  # a blocking call that found the communicator idle
+            run, self._run_here = self._run_here, None
+            run()
         return self.result(timeout)
 
     def cancel(self) -> bool:
         return False
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Task:
     seq: int
     header: bytes
@@ -112,7 +121,10 @@ class Communicator:
         self._broken: BaseException | None = None
         self._closed = False
         self._sequence = itertools.count(1)
+        self._next_to_run = 1  # sequence number of the collective allowed to start next
         self._submit_lock = threading.Lock()
+        self._turn = threading.Condition(self._submit_lock)
+        self._calling_thread = threading.local()
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self.topology = Topology(self._exchange_hosts())
         self._thread = threading.Thread(
@@ -168,7 +180,9 @@ class Communicator:
         Returns:
             The reduced array (`out` if given), of x's shape and dtype.
         """
-        return self.allreduce_async(x, op, algorithm, out).wait()
+        with self._blocking_call():
+            work = self.allreduce_async(x, op, algorithm, out)
+        return work.wait()
 
     def allreduce_async(self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None) -> Work:
         """Start `allreduce`; returns a `Work` whose result is the reduced array."""
@@ -205,7 +219,9 @@ class Communicator:
         Returns:
             This rank's rows of the reduction, shape (rows_of_this_rank, *x.shape[1:]).
         """
-        return self.reduce_scatter_async(x, op, out).wait()
+        with self._blocking_call():
+            work = self.reduce_scatter_async(x, op, out)
+        return work.wait()
 
     def reduce_scatter_async(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> Work:
         """Start `reduce_scatter`; returns a `Work` whose result is this rank's block."""
@@ -238,7 +254,9 @@ class Communicator:
         Returns:
             Shape (size * x.shape[0], *x.shape[1:]); a 0-d `x` gives shape (size,).
         """
-        return self.allgather_async(x, out).wait()
+        with self._blocking_call():
+            work = self.allgather_async(x, out)
+        return work.wait()
 
     def allgather_async(self, x: Any, out: np.ndarray | None = None) -> Work:
         """Start `allgather`; returns a `Work` whose result is the concatenation."""
@@ -265,7 +283,9 @@ class Communicator:
         Every rank passes an array of the same shape and dtype; only the root's values are used.
         `out=x` broadcasts in place, like MPI_Bcast.
         """
-        return self.broadcast_async(x, root, out).wait()
+        with self._blocking_call():
+            work = self.broadcast_async(x, root, out)
+        return work.wait()
 
     def broadcast_async(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> Work:
         """Start `broadcast`; returns a `Work` whose result is the root's array."""
@@ -288,7 +308,9 @@ class Communicator:
 
     def barrier(self) -> None:
         """Return only after every rank has called `barrier`."""
-        self.barrier_async().wait()
+        with self._blocking_call():
+            work = self.barrier_async()
+        work.wait()
 
     def barrier_async(self) -> Work:
         """Start `barrier`; returns a `Work` whose result is None."""
@@ -337,13 +359,28 @@ class Communicator:
             return CommunicatorBrokenError(f"rank {self.rank}: the communicator is closed")
         return None
 
+    @contextlib.contextmanager
+    def _blocking_call(self) -> Iterator[None]:
+        """Mark collectives submitted inside as ones whose caller waits for them at once."""
+        self._calling_thread.blocking = True
+        try:
+            yield
+        finally:
+            self._calling_thread.blocking = False
+
     def _submit(self, header: bytes, run: Callable[[Group], Any]) -> Work:
+        """Queue a collective for the communication thread; or, for a blocking call that finds
+        nothing queued or running, leave it to run on the caller's thread (saving two thread
+        hand-offs, which dominate the latency of small collectives)."""
         work = Work()
         with self._submit_lock:
             if (refusal := self._unusable()) is not None:
                 raise refusal
-            seq = next(self._sequence)
-            self._queue.put(_Task(seq, header, run, work))
+            task = _Task(next(self._sequence), header, run, work)
+            if getattr(self._calling_thread, "blocking", False) and task.seq == self._next_to_run:
+                work._run_here = functools.partial(self._execute, task)
+            else:
+                self._queue.put(task)
         return work
 
     def _group(self, seq: int, header: bytes) -> Group:
@@ -354,15 +391,33 @@ class Communicator:
     def _serve(self) -> None:
         """The communication thread: run queued collectives one at a time, in call order."""
         while (task := self._queue.get()) is not None:
-            task.work.set_running_or_notify_cancel()
+            with self._turn:  # a blocking call may still be running an earlier one
+                self._turn.wait_for(lambda: task.seq == self._next_to_run)
+            self._execute(task)
+
+    def _execute(self, task: _Task) -> None:
+        task.work.set_running_or_notify_cancel()
+        try:
             if self._broken is not None:  # queued before the failure: fail fast, do not talk
-                task.work.set_exception(self._unusable())
-                continue
-            try:
-                task.work.set_result(task.run(self._group(task.seq, task.header)))
-            except BaseException as error:  # noqa: BLE001 - handed to the caller through Work
+                raise self._unusable()
+            group = self._group(task.seq, task.header).with_agreement()
+            result = task.run(group)
+            group.finish_agreement()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller through Work
+            if not isinstance(error, CommunicatorBrokenError):
                 self._break(error)
-                task.work.set_exception(error)
+            self._finish(task)
+            task.work.set_exception(error)
+        else:
+            self._finish(task)
+            task.work.set_result(result)
+
+    def _finish(self, task: _Task) -> None:
+        """Let the next collective start; done before the result is published, so that a caller
+        woken by this result can run its next collective at once."""
+        with self._turn:
+            self._next_to_run = task.seq + 1
+            self._turn.notify_all()
 
     def _break(self, error: BaseException) -> None:
         """Remember the failure and make every peer fail fast instead of waiting for us."""

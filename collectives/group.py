@@ -9,20 +9,26 @@ address peers by their index in the group and never see global ranks, tags or cl
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from backends.base import Request, Transport
-from backends.errors import CollectiveTimeoutError
+from backends.errors import CollectiveError, CollectiveTimeoutError, MismatchError
 
 SUBTAGS_PER_COLLECTIVE = 64
 """Each collective owns this many consecutive tags, so concurrent message streams never mix."""
 
+HEADER_CHECK_SUBTAG = SUBTAGS_PER_COLLECTIVE - 1
+"""Reserved for the header agreement every collective runs (`HeaderAgreement`)."""
 
-@dataclass(frozen=True)
-class Pending:
+_CHECK_INTERVAL = 0.05
+"""While a wait is pending, how often the header agreement is advanced and checked."""
+
+_NO_DATA = np.empty(0, dtype=np.uint8)
+
+
+class Pending(NamedTuple):
     """A posted send or receive, with what is needed to explain a timeout."""
 
     request: Request
@@ -31,41 +37,67 @@ class Pending:
     tag: int
 
 
-@dataclass(frozen=True)
 class Group:
-    """A view of the transport restricted to `members`, for one collective."""
+    """A view of the transport restricted to `members`, for one collective.
 
-    transport: Transport
-    members: tuple[int, ...]
-    """Global ranks, in group order."""
-    tag: int
-    header: bytes
-    deadline: float
-    """`time.monotonic()` value after which waiting is an error."""
-    timeout: float
-    """The collective's full timeout in seconds, quoted in error messages."""
+    Immutable by convention; a plain slotted class because one is built per collective and
+    dataclass machinery would cost more than the messages of a small collective.
+    """
+
+    __slots__ = ("transport", "members", "rank", "tag", "header", "deadline", "timeout", "agreement")
+
+    def __init__(
+        self,
+        transport: Transport,
+        members: tuple[int, ...],
+        tag: int,
+        header: bytes,
+        deadline: float,
+        timeout: float,
+        agreement: "HeaderAgreement | None" = None,
+    ) -> None:
+        self.transport = transport
+        self.members = members
+        """Global ranks, in group order."""
+        self.rank = members.index(transport.rank)
+        """This process's index in the group."""
+        self.tag = tag
+        self.header = header
+        self.deadline = deadline
+        """`time.monotonic()` value after which waiting is an error."""
+        self.timeout = timeout
+        """The collective's full timeout in seconds, quoted in error messages."""
+        self.agreement = agreement
+        """Proof that every rank called this collective with the same header, if one was started."""
 
     @property
     def size(self) -> int:
         return len(self.members)
 
-    @property
-    def rank(self) -> int:
-        """This process's index in the group."""
-        return self.members.index(self.transport.rank)
+    def _derive(self, members: tuple[int, ...], tag: int, agreement: "HeaderAgreement | None") -> "Group":
+        return Group(self.transport, members, tag, self.header, self.deadline, self.timeout, agreement)
 
     def subgroup(self, indices: Sequence[int], subtag: int) -> "Group":
         """The sub-group of the given member indices, talking on its own tag."""
-        if not 0 <= subtag < SUBTAGS_PER_COLLECTIVE:
-            raise ValueError(f"subtag {subtag} outside 0..{SUBTAGS_PER_COLLECTIVE - 1}")
-        return Group(
-            self.transport,
-            tuple(self.members[i] for i in indices),
-            self.tag + subtag,
-            self.header,
-            self.deadline,
-            self.timeout,
-        )
+        if not 0 <= subtag < HEADER_CHECK_SUBTAG:
+            raise ValueError(f"subtag {subtag} outside 0..{HEADER_CHECK_SUBTAG - 1}")
+        members = tuple(self.members[i] for i in indices)
+        return self._derive(members, self.tag + subtag, self.agreement)
+
+    def with_agreement(self) -> "Group":
+        """This group, with a `HeaderAgreement` among its members under way."""
+        if self.size == 1:
+            return self
+        return self._derive(self.members, self.tag, HeaderAgreement(self))
+
+    def without_agreement(self) -> "Group":
+        """This group, waiting plainly (used by the agreement itself)."""
+        return self._derive(self.members, self.tag, None)
+
+    def finish_agreement(self) -> None:
+        """Block until every member is known to have called this collective identically."""
+        if self.agreement is not None:
+            self.agreement.finish()
 
     def isend(self, buf: np.ndarray, peer: int, subtag: int = 0) -> Pending:
         """Start sending `buf` to group member `peer`."""
@@ -79,24 +111,114 @@ class Group:
         src = self.members[peer]
         return Pending(self.transport.irecv(buf, src, tag, self.header), "receive from", src, tag)
 
+    @property
+    def fuses_receive_reduce(self) -> bool:
+        return self.transport.fuses_receive_reduce
+
+    def irecv_reduce(
+        self, buf: np.ndarray, peer: int, consume: Callable[[np.ndarray], None], subtag: int = 0
+    ) -> Pending:
+        """Start receiving from `peer` a message of `buf`'s size, handed to `consume` on arrival."""
+        tag = self.tag + subtag
+        src = self.members[peer]
+        request = self.transport.irecv_reduce(buf, src, tag, self.header, consume)
+        return Pending(request, "receive from", src, tag)
+
     def wait(self, pending: Pending) -> None:
-        """Wait for one operation until the collective's deadline."""
-        remaining = self.deadline - time.monotonic()
-        try:
-            pending.request.wait(max(remaining, 0.0))
-        except TimeoutError:
-            me = self.transport.rank
-            raise CollectiveTimeoutError(
-                f"rank {me}: {pending.kind} rank {pending.peer} did not complete within "
-                f"{self.timeout:g} s (tag {pending.tag}, {self.header.decode(errors='replace')}); "
-                f"rank {pending.peer} never arrived at this collective, or is stuck or dead",
-                rank=me,
-                peer=pending.peer,
-                tag=pending.tag,
-                seconds=self.timeout,
-            ) from None
+        """Wait for one operation until the collective's deadline; fail early on a mismatch."""
+        agreement = self.agreement
+        while True:
+            checking = agreement is not None and not agreement.done
+            remaining = self.deadline - time.monotonic()
+            try:
+                pending.request.wait(max(min(remaining, _CHECK_INTERVAL) if checking else remaining, 0.0))
+                break
+            except MismatchError:
+                raise
+            except CollectiveError:
+                if checking:  # a peer that gave up because of a mismatch: report the cause
+                    agreement.progress()
+                raise
+            except TimeoutError:
+                if checking:
+                    agreement.progress()
+                if time.monotonic() >= self.deadline:
+                    self._raise_timeout(pending)
+        if agreement is not None and not agreement.done:
+            agreement.progress()
+
+    def _raise_timeout(self, pending: Pending) -> None:
+        me = self.transport.rank
+        raise CollectiveTimeoutError(
+            f"rank {me}: {pending.kind} rank {pending.peer} did not complete within "
+            f"{self.timeout:g} s (tag {pending.tag}, {self.header.decode(errors='replace')}); "
+            f"rank {pending.peer} never arrived at this collective, or is stuck or dead",
+            rank=me,
+            peer=pending.peer,
+            tag=pending.tag,
+            seconds=self.timeout,
+        ) from None
 
     def waitall(self, pendings: Iterable[Pending]) -> None:
         """Wait for every operation, in order, until the collective's deadline."""
         for pending in pendings:
             self.wait(pending)
+
+
+class HeaderAgreement:
+    """Establishes that every member called this collective with the same header.
+
+    Algorithms compare headers only on the messages they exchange, and ranks that called different
+    collectives (or the same one with another algorithm, op or root) may exchange none and just
+    wait for each other, or finish with a result that never touched the odd rank's data. So each
+    collective also runs a gated dissemination of empty messages that carry its header: in round
+    k, member r sends to r + 2^k and receives from r - 2^k, and it sends round k only after its
+    rounds before k matched. By induction, once r's round-k receive matched, members
+    r - 2^(k+1) + 1 .. r all agree with r; after ceil(log2 p) rounds, all do. A disagreement
+    anywhere breaks every chain that crosses it, so no rank completes: the ranks on either side
+    raise `MismatchError` naming both headers and the abort carries it to the rest.
+
+    The rounds advance while the algorithm waits (`progress`), so they mostly overlap it.
+    """
+
+    def __init__(self, group: Group) -> None:
+        self._group = group.without_agreement()
+        self._distance = 1
+        self._sent: list[Pending] = []
+        self._receive: Pending | None = None
+        self._post_round()
+
+    @property
+    def done(self) -> bool:
+        return self._receive is None
+
+    def _post_round(self) -> None:
+        group, distance = self._group, self._distance
+        if distance >= group.size:
+            self._receive = None
+            return
+        rank, size = group.rank, group.size
+        self._sent.append(group.isend(_NO_DATA, (rank + distance) % size, HEADER_CHECK_SUBTAG))
+        inbox = np.empty(0, dtype=np.uint8)
+        self._receive = group.irecv(inbox, (rank - distance) % size, HEADER_CHECK_SUBTAG)
+
+    def progress(self) -> None:
+        """Start every round whose predecessor has matched, without blocking.
+
+        Raises:
+            MismatchError: a member this rank exchanged headers with called differently.
+        """
+        for sent in self._sent:
+            if sent.request.test():
+                sent.request.wait(0)  # raises if the receiver disagreed
+        while self._receive is not None and self._receive.request.test():
+            self._receive.request.wait(0)  # raises if the sender disagreed
+            self._distance *= 2
+            self._post_round()
+
+    def finish(self) -> None:
+        """Run the remaining rounds to the end, within the collective's deadline."""
+        while self._receive is not None:
+            self._group.wait(self._receive)
+            self.progress()
+        self._group.waitall(self._sent)

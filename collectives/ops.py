@@ -13,8 +13,6 @@ import enum
 
 import numpy as np
 
-from . import _half
-
 
 class ReduceOp(str, enum.Enum):
     """The reduction applied by all-reduce and reduce-scatter."""
@@ -74,6 +72,8 @@ def check_reduction(op: ReduceOp, dtype: np.dtype) -> None:
 def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out = a op b elementwise (for `mean` this is the sum; `finalize` divides at the end)."""
     if out.dtype == np.float16:
+        from . import _half  # numba is loaded on the first float16 reduction, not at import
+
         _half.half_reduce(_HALF_KERNEL_NAMES[op], a, b, out)
     else:
         _UFUNCS[op](a, b, out=out)
@@ -84,6 +84,8 @@ def finalize(op: ReduceOp, buf: np.ndarray, contributors: int) -> None:
     if op is not ReduceOp.MEAN or contributors == 1 or buf.size == 0:
         return
     if buf.dtype == np.float16:
+        from . import _half
+
         _half.half_scale(buf, contributors)
     else:
         np.divide(buf, contributors, out=buf)

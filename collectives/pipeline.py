@@ -1,15 +1,17 @@
-"""`ReceiveStream`: receive a known sequence of segments from one peer into rotating scratch slots.
+"""`ReduceStream`: receive a known sequence of segments from one peer and reduce each into place.
 
-Reduction steps cannot receive straight into the result (the local contribution is still needed),
-so they receive into scratch. Keeping a few receives posted ahead lets the peer's sends complete
-without waiting for us, while the scratch stays a few segments large (and in cache) whatever the
-message size.
+A reduction step needs the incoming segment and the local contribution together. Where the
+transport can hand over the incoming message directly (`Transport.irecv_reduce`), the reduction
+reads it once from where it arrives; otherwise segments land in a few rotating scratch slots and are
+reduced from there. Either way a few receives stay posted ahead of the one being consumed, so the
+peer's sends complete without waiting for us and the scratch stays small (and in cache).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -18,20 +20,42 @@ from .group import Group, Pending
 PIPELINE_DEPTH = 4
 """Receives kept posted ahead of the one being consumed."""
 
+ReduceSegment = Callable[[int, int, np.ndarray], None]
+"""reduce_segment(lo, hi, incoming): fold `incoming` into the result's items [lo, hi)."""
 
-class ReceiveStream:
-    """Receives `sizes[i]` items for i = 0, 1, ... from group member `peer`, in order."""
+
+class ReduceStream:
+    """Receives `spans[i]` = (lo, hi) for i = 0, 1, ... from group member `peer`, in order.
+
+    Args:
+        target: the array the spans index; gives the size and dtype of each message.
+        reduce_segment: applied to every segment. With `fuse=True` it may run on another thread
+            as soon as the segment arrives, so it must not depend on the order of segments; with
+            `fuse=False` it runs inside `next()`, in order.
+    """
 
     def __init__(
-        self, group: Group, peer: int, subtag: int, sizes: Sequence[int], dtype: np.dtype
+        self,
+        group: Group,
+        peer: int,
+        subtag: int,
+        spans: Sequence[tuple[int, int]],
+        target: np.ndarray,
+        reduce_segment: ReduceSegment,
+        *,
+        fuse: bool,
     ) -> None:
         self._group = group
         self._peer = peer
         self._subtag = subtag
-        self._sizes = list(sizes)
-        self._depth = min(PIPELINE_DEPTH, len(self._sizes))
-        self._slots = np.empty((self._depth, max(self._sizes, default=0)), dtype=dtype)
-        self._posted: deque[tuple[Pending, np.ndarray]] = deque()
+        self._spans = list(spans)
+        self._target = target
+        self._reduce_segment = reduce_segment
+        self._fused = fuse and group.fuses_receive_reduce
+        self._depth = min(PIPELINE_DEPTH, len(self._spans))
+        longest = max((hi - lo for lo, hi in self._spans), default=0)
+        self._slots = None if self._fused else np.empty((self._depth, longest), dtype=target.dtype)
+        self._posted: deque[tuple[Pending, int, int, np.ndarray | None]] = deque()
         self._next_to_post = 0
         self._slot_in_use = False
         for _ in range(self._depth):
@@ -39,17 +63,24 @@ class ReceiveStream:
 
     def _post(self) -> None:
         index = self._next_to_post
-        if index >= len(self._sizes):
+        if index >= len(self._spans):
             return
-        slot = self._slots[index % self._depth, : self._sizes[index]]
-        self._posted.append((self._group.irecv(slot, self._peer, self._subtag), slot))
+        lo, hi = self._spans[index]
+        if self._fused:
+            consume = functools.partial(self._reduce_segment, lo, hi)
+            pending = self._group.irecv_reduce(self._target[lo:hi], self._peer, consume, self._subtag)
+            self._posted.append((pending, lo, hi, None))
+        else:
+            slot = self._slots[index % self._depth, : hi - lo]
+            self._posted.append((self._group.irecv(slot, self._peer, self._subtag), lo, hi, slot))
         self._next_to_post += 1
 
-    def next(self) -> np.ndarray:
-        """Wait for the next segment and return it; valid until the following call."""
+    def next(self) -> None:
+        """Wait until the next segment has arrived and been reduced."""
         if self._slot_in_use:
-            self._post()  # the slot handed out last time is free again
+            self._post()  # the scratch slot consumed last time is free again
         self._slot_in_use = True
-        pending, slot = self._posted.popleft()
+        pending, lo, hi, slot = self._posted.popleft()
         self._group.wait(pending)
-        return slot
+        if slot is not None:
+            self._reduce_segment(lo, hi, slot)

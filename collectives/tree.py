@@ -1,4 +1,4 @@
-"""Tree all-reduce over a double binary tree, and a pipelined tree broadcast.
+r"""Tree all-reduce over a double binary tree, and a pipelined tree broadcast.
 
 A binary tree reduces towards a root and broadcasts back in about 2 log2(p) steps, far fewer than
 the ring's 2(p-1), so it wins for small messages. A single tree wastes half the bandwidth (leaves
@@ -36,7 +36,7 @@ import numpy as np
 from .group import Group, Pending
 from .layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
 from .ops import ReduceOp, combine, finalize
-from .pipeline import ReceiveStream
+from .pipeline import ReduceStream
 
 
 @functools.lru_cache(maxsize=256)
@@ -98,25 +98,30 @@ def tree_allreduce(
     ]
     up_subtag, down_subtag = (0, 1), (2, 3)
 
-    # Reduce: combine the children's partial results into dst, pass them to the parent.
+    # Reduce: combine the children's partial results into dst, pass them to the parent. The
+    # second child's segment is added to the first's sum, so reductions run in order (fuse=False).
+    def reducer(first: bool):
+        def reduce_segment(lo: int, hi: int, received: np.ndarray) -> None:
+            combine(op, src[lo:hi] if first else dst[lo:hi], received, out=dst[lo:hi])
+
+        return reduce_segment
+
     streams = {
-        (tree, child): ReceiveStream(
-            group, child, up_subtag[tree], [hi - lo for lo, hi in pieces[tree]], src.dtype
+        (tree, child): ReduceStream(
+            group, child, up_subtag[tree], pieces[tree], dst, reducer(index == 0), fuse=False
         )
         for tree in (0, 1)
-        for child in trees[tree][1][r]
+        for index, child in enumerate(trees[tree][1][r])
     }
     sends: list[Pending] = []
     for tree, lo, hi in order:
         parent, children = trees[tree][0][r], trees[tree][1][r]
-        partial = src[lo:hi]
         for child in children:
-            combine(op, partial, streams[tree, child].next(), out=dst[lo:hi])
-            partial = dst[lo:hi]
+            streams[tree, child].next()
         if parent is None:  # a root always has children when p > 1, so dst holds the result
             finalize(op, dst[lo:hi], p)
         else:
-            sends.append(group.isend(partial, parent, up_subtag[tree]))
+            sends.append(group.isend(dst[lo:hi] if children else src[lo:hi], parent, up_subtag[tree]))
     group.waitall(sends)  # partial results must leave dst before the final results land there
 
     # Broadcast: receive each final segment from the parent, forward it to the children.

@@ -1,0 +1,522 @@
+"""Failures: mismatched calls, absent ranks, user exceptions, bad arguments, broken communicators.
+
+Mismatch tests pass a generous collective timeout and check that every rank got its error well
+before it: a mismatch is detectable from the first message exchanged, so a rank that only finds
+out by timing out (or not at all) is a bug, not slowness.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import collectives
+from collectives import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    MismatchError,
+    PeerLostError,
+)
+from conftest import ALL_ALGORITHMS, ALGORITHMS, Stopwatch, run_catching
+
+MISMATCH_TIMEOUT = 10.0
+"""Collective timeout for mismatch tests: detection must take a small fraction of it."""
+
+MATRIX_TIMEOUT = 2.0
+"""Shorter timeout for the pairwise matrices, whose undetected cases each wait this long
+(detection itself takes milliseconds)."""
+
+
+def run_mismatch(
+    call: Callable[[collectives.Communicator], Any],
+    world_size: int,
+    *,
+    timeout: float = MISMATCH_TIMEOUT,
+    ranks_per_node: Any = None,
+) -> tuple[list[Any], float]:
+    """Run `call` on every rank after a barrier (so every communicator is fully set up); return
+    each rank's outcome (the result or the CollectiveError) and the wall time."""
+
+    def body(comm: collectives.Communicator) -> Any:
+        comm.barrier()
+        return call(comm)
+
+    with Stopwatch() as watch:
+        outcomes = run_catching(body, world_size, timeout=timeout, ranks_per_node=ranks_per_node)
+    return outcomes, watch.seconds
+
+
+def assert_mismatch_everywhere(outcomes: list[Any], seconds: float, timeout: float, *words: str) -> None:
+    """Every rank raised MismatchError naming all `words` (both sides), well before the timeout."""
+    kinds = [type(outcome).__name__ for outcome in outcomes]
+    assert all(isinstance(outcome, MismatchError) for outcome in outcomes), f"per-rank outcomes: {kinds}"
+    for rank, error in enumerate(outcomes):
+        for word in words:
+            assert word in str(error), f"rank {rank}: {word!r} not in {str(error)!r}"
+    assert seconds < timeout / 2, f"took {seconds:.1f} s of a {timeout} s timeout: detected by timing out"
+
+
+# -- mismatched arguments --------------------------------------------------------------------------
+
+MISMATCH_WORLDS = [
+    pytest.param(algorithm, world_size, id=f"{algorithm}-p{world_size}")
+    for algorithm in ALL_ALGORITHMS
+    for world_size in (2, 3, 5)
+]
+
+
+@pytest.mark.parametrize(("algorithm", "world_size"), MISMATCH_WORLDS)
+def test_shape_mismatch(algorithm: str, world_size: int) -> None:
+    """One rank passing shape (3, 4) while the others pass (4, 3) (same size!) -> MismatchError on
+    every rank, naming both shapes."""
+    odd = world_size - 1
+
+    def call(comm: collectives.Communicator) -> Any:
+        return comm.allreduce(np.ones((3, 4) if comm.rank == odd else (4, 3), np.float32), algorithm=algorithm)
+
+    outcomes, seconds = run_mismatch(call, world_size, ranks_per_node=2)
+    assert_mismatch_everywhere(outcomes, seconds, MISMATCH_TIMEOUT, "(3, 4)", "(4, 3)")
+
+
+@pytest.mark.parametrize(("algorithm", "world_size"), MISMATCH_WORLDS)
+def test_dtype_mismatch(algorithm: str, world_size: int) -> None:
+    """int32 on one rank and float32 (same item size) on the others -> MismatchError everywhere,
+    naming both dtypes."""
+
+    def call(comm: collectives.Communicator) -> Any:
+        return comm.allreduce(np.ones(6, np.int32 if comm.rank == 0 else np.float32), algorithm=algorithm)
+
+    outcomes, seconds = run_mismatch(call, world_size, ranks_per_node=2)
+    assert_mismatch_everywhere(outcomes, seconds, MISMATCH_TIMEOUT, "int32", "float32")
+
+
+@pytest.mark.parametrize(("algorithm", "world_size"), MISMATCH_WORLDS)
+def test_op_mismatch(algorithm: str, world_size: int) -> None:
+    """op="max" on one rank and "sum" on the others -> MismatchError everywhere, naming both ops."""
+
+    def call(comm: collectives.Communicator) -> Any:
+        return comm.allreduce(np.ones(6), op="max" if comm.rank == 1 else "sum", algorithm=algorithm)
+
+    outcomes, seconds = run_mismatch(call, world_size, ranks_per_node=2)
+    assert_mismatch_everywhere(outcomes, seconds, MISMATCH_TIMEOUT, "op=max", "op=sum")
+
+
+def test_reduce_scatter_and_allgather_mismatch() -> None:
+    """reduce_scatter with different row counts, and allgather with different shapes, fail with
+    MismatchError everywhere."""
+    outcomes, seconds = run_mismatch(lambda c: c.reduce_scatter(np.ones((7 if c.rank == 2 else 8, 2))), 4)
+    assert_mismatch_everywhere(outcomes, seconds, MISMATCH_TIMEOUT, "(7, 2)", "(8, 2)")
+    outcomes, seconds = run_mismatch(lambda c: c.allgather(np.ones((2, 3 if c.rank == 0 else 4))), 3)
+    assert_mismatch_everywhere(outcomes, seconds, MISMATCH_TIMEOUT, "(2, 3)", "(2, 4)")
+
+
+ALGORITHM_PAIRS = [
+    pytest.param(first, second, world_size, id=f"{first}-vs-{second}-p{world_size}")
+    for world_size in (4,)
+    for first, second in itertools.combinations(ALGORITHMS, 2)
+]
+
+
+@pytest.mark.parametrize(("first", "second", "world_size"), ALGORITHM_PAIRS)
+def test_algorithm_mismatch(first: str, second: str, world_size: int) -> None:
+    """Rank 0 naming one algorithm and the others another -> MismatchError on every rank, naming
+    both algorithms (the communicator promises this "instead of garbage or a hang")."""
+
+    def call(comm: collectives.Communicator) -> Any:
+        return comm.allreduce(np.ones(10, np.float32), algorithm=first if comm.rank == 0 else second)
+
+    outcomes, seconds = run_mismatch(call, world_size, timeout=MATRIX_TIMEOUT)
+    assert_mismatch_everywhere(outcomes, seconds, MATRIX_TIMEOUT, f"algorithm={first}", f"algorithm={second}")
+
+
+LATE = 0.2
+"""Seconds the odd rank out arrives late in some mismatch tests, so that the agreeing ranks have
+every chance to finish (wrongly) before the mismatch can be noticed."""
+
+ROOT_PAIRS = [
+    pytest.param(world_size, first, second, delay, id=f"p{world_size}-root{first}-vs-root{second}{'-late' if delay else ''}")
+    for world_size, first, second, delay in [
+        (2, 0, 1, 0.0), (3, 1, 2, 0.0), (6, 0, 2, 0.0),
+        (4, 0, 1, LATE), (5, 2, 3, LATE), (6, 0, 2, LATE), (8, 0, 1, LATE),
+    ]
+]
+
+
+@pytest.mark.parametrize(("world_size", "first", "second", "delay"), ROOT_PAIRS)
+def test_broadcast_root_mismatch(world_size: int, first: int, second: int, delay: float) -> None:
+    """Rank 0 broadcasting from one root (arriving `delay` s late) and the others from another ->
+    MismatchError on every rank naming both roots: no rank may return a result, even one whose
+    tree neighbours all agree with it."""
+
+    def call(comm: collectives.Communicator) -> Any:
+        if comm.rank == 0:
+            time.sleep(delay)
+        return comm.broadcast(np.arange(8.0), root=first if comm.rank == 0 else second)
+
+    outcomes, seconds = run_mismatch(call, world_size, timeout=MATRIX_TIMEOUT)
+    assert_mismatch_everywhere(outcomes, seconds, MATRIX_TIMEOUT, f"root={first}", f"root={second}")
+
+
+EMPTY_CASES = [
+    pytest.param(algorithm, world_size, id=f"{algorithm}-p{world_size}")
+    for algorithm in ALL_ALGORITHMS
+    for world_size in (4, 8)
+]
+
+
+@pytest.mark.parametrize(("algorithm", "world_size"), EMPTY_CASES)
+def test_op_mismatch_on_empty_arrays(algorithm: str, world_size: int) -> None:
+    """An op mismatch by a late rank 0 is reported on every rank even when the arrays are empty
+    (no data messages at all), instead of some ranks returning normally."""
+
+    def call(comm: collectives.Communicator) -> Any:
+        if comm.rank == 0:
+            time.sleep(LATE)
+        return comm.allreduce(np.ones((0, 3)), op="max" if comm.rank == 0 else "sum", algorithm=algorithm)
+
+    outcomes, seconds = run_mismatch(call, world_size, timeout=MATRIX_TIMEOUT, ranks_per_node=2)
+    assert_mismatch_everywhere(outcomes, seconds, MATRIX_TIMEOUT, "op=max", "op=sum")
+
+
+KIND_CASES = [
+    pytest.param(algorithm, world_size, id=f"allreduce-{algorithm}-vs-barrier-p{world_size}")
+    for algorithm in ALL_ALGORITHMS
+    for world_size in (4,)
+]
+
+
+@pytest.mark.parametrize(("algorithm", "world_size"), KIND_CASES)
+def test_allreduce_vs_barrier_mismatch(algorithm: str, world_size: int) -> None:
+    """Rank 0 calling allreduce while the others call barrier -> MismatchError on every rank,
+    naming both collectives (two ranks per node, so auto goes hierarchical on 4 ranks)."""
+
+    def call(comm: collectives.Communicator) -> Any:
+        if comm.rank == 0:
+            return comm.allreduce(np.ones(10, np.float32), algorithm=algorithm)
+        return comm.barrier()
+
+    outcomes, seconds = run_mismatch(call, world_size, timeout=MATRIX_TIMEOUT, ranks_per_node=2)
+    assert_mismatch_everywhere(outcomes, seconds, MATRIX_TIMEOUT, "allreduce", "barrier")
+
+
+OTHER_KIND_CASES = [
+    pytest.param(lambda c: c.allgather(np.ones(8)), lambda c: c.allreduce(np.ones(8), algorithm="ring"),
+                 "allgather", "allreduce", id="allgather-vs-allreduce"),
+    pytest.param(lambda c: c.reduce_scatter(np.ones(8)), lambda c: c.allgather(np.ones(8)),
+                 "reduce_scatter", "allgather", id="reduce_scatter-vs-allgather"),
+    pytest.param(lambda c: c.broadcast(np.ones(8), root=1), lambda c: c.allreduce(np.ones(8), algorithm="tree"),
+                 "broadcast", "allreduce", id="broadcast-vs-allreduce"),
+]
+
+
+@pytest.mark.parametrize(("first", "second", "first_name", "second_name"), OTHER_KIND_CASES)
+def test_collective_kind_mismatch(first: Callable, second: Callable, first_name: str, second_name: str) -> None:
+    """Rank 0 calling one collective while the others call another -> MismatchError everywhere."""
+    outcomes, seconds = run_mismatch(lambda c: first(c) if c.rank == 0 else second(c), 2)
+    assert_mismatch_everywhere(outcomes, seconds, MISMATCH_TIMEOUT, first_name, second_name)
+
+
+def test_communicator_broken_after_mismatch() -> None:
+    """After a mismatch every rank's communicator is broken and refuses the next call at once,
+    saying why; operations queued behind the failed one fail the same way."""
+
+    def body(comm: collectives.Communicator) -> list[Any]:
+        comm.barrier()
+        first = comm.allreduce_async(np.ones(3 if comm.rank == 0 else 4))
+        queued = comm.allreduce_async(np.ones(4))
+        outcome: list[Any] = [first.exception(timeout=20), queued.exception(timeout=20), comm.broken]
+        with Stopwatch() as watch:
+            try:
+                comm.barrier()
+                outcome.append(None)
+            except CollectiveError as error:
+                outcome.append(error)
+        outcome.append(watch.seconds)
+        return outcome
+
+    for rank, (first, queued, broken, refused, seconds) in enumerate(
+        collectives.run_threads(body, 3, timeout=MISMATCH_TIMEOUT)
+    ):
+        assert isinstance(first, MismatchError), rank
+        assert isinstance(queued, CommunicatorBrokenError), (rank, queued)
+        assert broken is True
+        assert isinstance(refused, CommunicatorBrokenError), (rank, refused)
+        assert "broken" in str(refused) and "MismatchError" in str(refused)
+        assert seconds < 1.0
+
+
+# -- absent ranks and timeouts ---------------------------------------------------------------------
+
+ABSENT_TIMEOUT = 0.5
+
+
+def run_with_absent_rank(
+    world_size: int, absent: int, call: Callable[[collectives.Communicator], Any], **kwargs: Any
+) -> list[dict[str, Any]]:
+    """Every rank but `absent` calls `call` (collective timeout 0.5 s); `absent` arrives only after
+    all the others have failed. Each rank then calls `call` once more. Returns per rank: the first
+    error, the retry's error and how long the retry took, and whether the communicator is broken."""
+    failed = threading.Semaphore(0)
+
+    def body(comm: collectives.Communicator) -> dict[str, Any]:
+        comm.barrier()
+        if comm.rank == absent:
+            for _ in range(world_size - 1):
+                assert failed.acquire(timeout=30), "the waiting ranks never failed"
+        outcome: dict[str, Any] = {}
+        with Stopwatch() as watch:
+            try:
+                call(comm)
+                outcome["first"] = None
+            except CollectiveError as error:
+                outcome["first"] = error
+        outcome["first_seconds"] = watch.seconds
+        if comm.rank != absent:
+            failed.release()
+        with Stopwatch() as watch:
+            try:
+                call(comm)
+                outcome["retry"] = None
+            except CollectiveError as error:
+                outcome["retry"] = error
+        outcome["retry_seconds"] = watch.seconds
+        outcome["broken"] = comm.broken
+        return outcome
+
+    return collectives.run_threads(body, world_size, timeout=ABSENT_TIMEOUT, **kwargs)
+
+
+def assert_absent_rank_reported(outcomes: list[dict[str, Any]], absent: int, *, direct: bool) -> None:
+    """The waiting ranks failed with CollectiveErrors (timeouts, or PeerLostError once the first
+    timed-out rank aborted), at least one a CollectiveTimeoutError whose rank, peer, tag and seconds
+    match its message. With `direct` (every waiting rank waits on the absent rank itself) every
+    timeout names the absent rank. Afterwards every communicator is broken and refuses the retry at
+    once with CommunicatorBrokenError; the late rank fails fast too."""
+    waiting = {rank: o["first"] for rank, o in enumerate(outcomes) if rank != absent}
+    kinds = {rank: type(error).__name__ for rank, error in waiting.items()}
+    assert all(isinstance(e, (CollectiveTimeoutError, PeerLostError)) for e in waiting.values()), kinds
+    timeouts = {rank: e for rank, e in waiting.items() if isinstance(e, CollectiveTimeoutError)}
+    assert timeouts, f"no CollectiveTimeoutError among {kinds}"
+    for rank, error in timeouts.items():
+        assert isinstance(error, TimeoutError)
+        assert error.rank == rank and error.peer != rank and 0 <= error.peer < len(outcomes)
+        assert error.seconds == ABSENT_TIMEOUT
+        assert isinstance(error.tag, int) and error.tag >= 0
+        message = str(error)
+        for fragment in (f"rank {rank}", f"rank {error.peer}", f"tag {error.tag}", "0.5 s"):
+            assert fragment in message, (fragment, message)
+        if direct:
+            assert error.peer == absent, f"rank {rank} blames rank {error.peer}, not the absent rank {absent}"
+    for rank, outcome in enumerate(outcomes):
+        if rank != absent:
+            assert outcome["first_seconds"] < ABSENT_TIMEOUT + 5, "waited far beyond the timeout"
+        assert outcome["broken"] is True, rank
+        assert isinstance(outcome["retry"], CommunicatorBrokenError), (rank, outcome["retry"])
+        assert outcome["retry_seconds"] < ABSENT_TIMEOUT / 2, (rank, outcome["retry_seconds"])
+    late = outcomes[absent]["first"]
+    assert isinstance(late, CollectiveError), f"the late rank got {late!r}"
+    assert outcomes[absent]["first_seconds"] < ABSENT_TIMEOUT / 2
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_absent_rank_in_barrier(world_size: int) -> None:
+    """The last rank never arrives at a barrier: every waiting rank (each waits on it directly in a
+    dissemination barrier of <= 4 ranks) times out naming it (rank, peer, tag, seconds); then every
+    communicator is broken and refuses the next call at once."""
+    absent = world_size - 1
+    outcomes = run_with_absent_rank(world_size, absent, lambda c: c.barrier())
+    assert_absent_rank_reported(outcomes, absent, direct=True)
+
+
+@pytest.mark.parametrize("algorithm", ALL_ALGORITHMS)
+def test_absent_rank_in_allreduce(algorithm: str) -> None:
+    """Rank 1 of 2 never arrives at an allreduce: rank 0 times out naming rank 1; both end broken."""
+    outcomes = run_with_absent_rank(2, 1, lambda c: c.allreduce(np.ones(100), algorithm=algorithm), ranks_per_node=1)
+    assert_absent_rank_reported(outcomes, 1, direct=True)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "absent", "algorithm", "ranks_per_node"),
+    [
+        pytest.param(7, 6, "barrier", None, id="barrier-p7"),
+        pytest.param(5, 3, "hierarchical", [3, 2], id="hierarchical-p5[3-2]"),
+        pytest.param(6, 2, "ring", None, id="ring-p6"),
+    ],
+)
+def test_absent_rank_in_larger_world(world_size: int, absent: int, algorithm: str, ranks_per_node: Any) -> None:
+    """In larger worlds (where some ranks wait on a peer that waits on the absent rank) everybody
+    still fails within about the timeout, with a consistent CollectiveTimeoutError somewhere, and
+    ends broken."""
+
+    def call(comm: collectives.Communicator) -> Any:
+        if algorithm == "barrier":
+            return comm.barrier()
+        return comm.allreduce(np.ones(1000), algorithm=algorithm)
+
+    outcomes = run_with_absent_rank(world_size, absent, call, ranks_per_node=ranks_per_node)
+    assert_absent_rank_reported(outcomes, absent, direct=False)
+
+
+# -- exceptions raised by user code ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_user_exception_is_reraised_without_hanging(world_size: int) -> None:
+    """A ValueError raised on rank 2 while the others sit in an allreduce is re-raised by
+    run_threads with a note naming rank 2; the others are woken with PeerLostError naming rank 2."""
+    woken: dict[int, BaseException] = {}
+
+    def body(comm: collectives.Communicator) -> Any:
+        if comm.rank == 2:
+            time.sleep(0.1)  # let the others enter the allreduce first
+            raise ValueError("user code failed on purpose")
+        try:
+            return comm.allreduce(np.ones(50))
+        except CollectiveError as error:
+            woken[comm.rank] = error
+            raise
+
+    with Stopwatch() as watch, pytest.raises(ValueError, match="on purpose") as caught:
+        collectives.run_threads(body, world_size, timeout=MISMATCH_TIMEOUT)
+    assert watch.seconds < MISMATCH_TIMEOUT / 2
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("rank 2" in note for note in notes), notes
+    assert sorted(woken) == [r for r in range(world_size) if r != 2]
+    for rank, error in woken.items():
+        assert isinstance(error, PeerLostError), (rank, error)
+        assert "rank 2" in str(error) and "on purpose" in str(error)
+
+
+def test_user_exception_before_any_collective() -> None:
+    """Rank 0 raising at once, while the others wait in a barrier, is re-raised promptly."""
+
+    def body(comm: collectives.Communicator) -> None:
+        if comm.rank == 0:
+            raise KeyError("early")
+        comm.barrier()
+
+    with Stopwatch() as watch, pytest.raises(KeyError) as caught:
+        collectives.run_threads(body, 3, timeout=MISMATCH_TIMEOUT)
+    assert watch.seconds < MISMATCH_TIMEOUT / 2
+    assert any("rank 0" in note for note in caught.value.__notes__)
+
+
+# -- bad arguments ---------------------------------------------------------------------------------
+
+
+BAD_CALLS = [
+    pytest.param(lambda c: c.allreduce(np.ones(4, np.int32), op="mean"), TypeError, ["mean", "int32"], id="mean-int32"),
+    pytest.param(lambda c: c.allreduce(np.ones(4, np.int64), op="mean"), TypeError, ["mean", "int64"], id="mean-int64"),
+    pytest.param(lambda c: c.reduce_scatter(np.ones(4, np.int64), op="mean"), TypeError, ["mean", "int64"],
+                 id="reduce_scatter-mean-int64"),
+    pytest.param(lambda c: c.allreduce(np.ones(4), op="avg"), ValueError, ["'avg'", "'sum'"], id="unknown-op"),
+    pytest.param(lambda c: c.allreduce(np.ones(4), op=None), ValueError, ["None"], id="op-None"),
+    pytest.param(lambda c: c.reduce_scatter(np.ones(4), op="median"), ValueError, ["'median'"],
+                 id="reduce_scatter-unknown-op"),
+    pytest.param(lambda c: c.allreduce(np.ones(4), algorithm="butterfly"), ValueError, ["'butterfly'", "'ring'"],
+                 id="unknown-algorithm"),
+    pytest.param(lambda c: c.allreduce(np.ones(4), algorithm="native"), ValueError, ["'native'"],
+                 id="algorithm-native"),
+    pytest.param(lambda c: c.allreduce(np.ones(4), out=np.empty(5)), ValueError, ["(4,)", "(5,)"], id="out-shape"),
+    pytest.param(lambda c: c.allreduce(np.ones(4), out=np.empty(4, np.float32)), ValueError, ["float64", "float32"],
+                 id="out-dtype"),
+    pytest.param(lambda c: c.allreduce(np.ones(4), out=[0.0] * 4), TypeError, ["out", "list"], id="out-list"),
+    pytest.param(lambda c: c.allreduce(np.ones(4), out=_readonly(4)), ValueError, ["read-only"], id="out-readonly"),
+    pytest.param(lambda c: c.allgather(np.ones(4), out=np.empty(3)), ValueError, ["shape"], id="allgather-out-shape"),
+    pytest.param(lambda c: c.reduce_scatter(np.ones((6, 2)), out=np.empty((7, 2))), ValueError, ["shape"],
+                 id="reduce_scatter-out-shape"),
+    pytest.param(lambda c: c.broadcast(np.ones(4), out=np.empty(4, np.int64)), ValueError, ["dtype"],
+                 id="broadcast-out-dtype"),
+    pytest.param(lambda c: c.allreduce(np.array([None, 1], dtype=object)), TypeError, ["object"],
+                 id="allreduce-object"),
+    pytest.param(lambda c: c.allgather(np.array([None, 1], dtype=object)), TypeError, ["object"],
+                 id="allgather-object"),
+    pytest.param(lambda c: c.broadcast(np.array(["a", "b"])), TypeError, ["<U1"], id="broadcast-str"),
+    pytest.param(lambda c: c.allreduce(np.ones(4, np.uint8)), TypeError, ["uint8"], id="allreduce-uint8"),
+    pytest.param(lambda c: c.allreduce(np.ones(4, bool), op="max"), TypeError, ["bool"], id="allreduce-bool"),
+    pytest.param(lambda c: c.allreduce({"a": 1}), TypeError, ["dict"], id="allreduce-dict"),
+    pytest.param(lambda c: c.reduce_scatter(np.float64(1.0)), ValueError, ["dimension"], id="reduce_scatter-0d"),
+    pytest.param(lambda c: c.broadcast(np.ones(4), root=-1), ValueError, ["root", "-1"], id="root-negative"),
+    pytest.param(lambda c: c.broadcast(np.ones(4), root=c.size), ValueError, ["root"], id="root-too-large"),
+    pytest.param(lambda c: c.broadcast(np.ones(4), root=True), ValueError, ["root", "True"], id="root-bool"),
+    pytest.param(lambda c: c.broadcast(np.ones(4), root=0.0), ValueError, ["root"], id="root-float"),
+    pytest.param(lambda c: c.broadcast(np.ones(4), root="0"), ValueError, ["root"], id="root-str"),
+]
+
+
+def _readonly(n: int) -> np.ndarray:
+    array = np.empty(n)
+    array.setflags(write=False)
+    return array
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize(("call", "error_type", "words"), BAD_CALLS)
+def test_bad_arguments(world_size: int, call: Callable, error_type: type, words: list[str]) -> None:
+    """A bad argument raises TypeError/ValueError in the caller, on every rank and even with one
+    rank, with a message naming what came; the communicator stays usable afterwards."""
+
+    def body(comm: collectives.Communicator) -> tuple[BaseException | None, np.ndarray, bool]:
+        try:
+            call(comm)
+            error = None
+        except (TypeError, ValueError) as caught:
+            error = caught
+        return error, comm.allreduce(np.full(3, comm.rank + 1.0)), comm.broken
+
+    expected_sum = world_size * (world_size + 1) / 2
+    for rank, (error, after, broken) in enumerate(collectives.run_threads(body, world_size, timeout=MISMATCH_TIMEOUT)):
+        assert type(error) is error_type, f"rank {rank}: expected {error_type.__name__}, got {error!r}"
+        assert not isinstance(error, CollectiveError)
+        for word in words:
+            assert word in str(error), f"{word!r} not in {str(error)!r}"
+        np.testing.assert_array_equal(after, np.full(3, expected_sum))
+        assert broken is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        pytest.param({"world_size": 0}, ["world_size", "0"], id="world-size-0"),
+        pytest.param({"world_size": True}, ["world_size"], id="world-size-bool"),
+        pytest.param({"world_size": 3, "ranks_per_node": [2, 2]}, ["[2, 2]", "3"], id="layout-sum"),
+        pytest.param({"world_size": 2, "ranks_per_node": [2, 0]}, ["[2, 0]"], id="layout-zero"),
+        pytest.param({"world_size": 2, "ranks_per_node": 0}, ["ranks_per_node", "0"], id="ranks-per-node-0"),
+        pytest.param({"world_size": 2, "timeout": 0}, ["timeout", "0"], id="timeout-0"),
+        pytest.param({"world_size": 2, "segment_bytes": 0}, ["segment_bytes", "0"], id="segment-bytes-0"),
+    ],
+)
+def test_run_threads_rejects_bad_configuration(kwargs: dict[str, Any], words: list[str]) -> None:
+    """run_threads refuses impossible worlds, layouts, timeouts and segment sizes with ValueError."""
+    world_size = kwargs.pop("world_size")
+    with pytest.raises(ValueError) as caught:
+        collectives.run_threads(lambda comm: None, world_size, **kwargs)
+    for word in words:
+        assert word in str(caught.value), str(caught.value)
+
+
+def test_closed_communicator_refuses_work() -> None:
+    """After close(), every collective raises CommunicatorBrokenError saying it is closed; closing
+    twice is harmless."""
+
+    def body(comm: collectives.Communicator) -> list[BaseException | None]:
+        comm.barrier()
+        comm.close()
+        comm.close()
+        refusals: list[BaseException | None] = []
+        for call in (lambda: comm.allreduce(np.ones(2)), comm.barrier, lambda: comm.broadcast(np.ones(2))):
+            try:
+                call()
+                refusals.append(None)
+            except CollectiveError as error:
+                refusals.append(error)
+        return refusals
+
+    for refusals in collectives.run_threads(body, 2):
+        assert all(isinstance(e, CommunicatorBrokenError) and "closed" in str(e) for e in refusals), refusals

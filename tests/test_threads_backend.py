@@ -1,0 +1,294 @@
+"""The in-process transport: matching, header/size checks, abort, close, argument checks."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from backends.base import Transport, check_buffer
+from backends.errors import (
+    CollectiveError,
+    MismatchError,
+    PeerLostError,
+    abort_kind,
+    error_from_abort,
+)
+from backends.threads import ThreadFabric, ThreadTransport, node_hosts
+
+H = b"test header"
+
+
+def fabric(size: int = 3) -> ThreadFabric:
+    return ThreadFabric([f"node{rank}" for rank in range(size)])
+
+
+def test_endpoint_is_a_transport() -> None:
+    """Endpoints carry rank, size and host, and implement the Transport contract."""
+    world = ThreadFabric(["a", "a", "b"])
+    endpoint = world.endpoint(2)
+    assert isinstance(endpoint, ThreadTransport) and isinstance(endpoint, Transport)
+    assert (endpoint.rank, endpoint.size, endpoint.host) == (2, 3, "b")
+
+
+def test_send_then_receive_copies_the_payload() -> None:
+    """A send posted before its receive completes when the receive arrives, with a real copy."""
+    world = fabric(2)
+    payload = np.arange(5, dtype=np.float64)
+    send = world.endpoint(0).isend(payload, 1, 7, H)
+    assert not send.test()
+    out = np.zeros(5)
+    recv = world.endpoint(1).irecv(out, 0, 7, H)
+    recv.wait(1)
+    send.wait(1)
+    assert send.test() and recv.test()
+    np.testing.assert_array_equal(out, payload)
+    payload[:] = -1  # the receiver holds a copy, not a view
+    assert out[0] == 0
+
+
+def test_receive_then_send() -> None:
+    """A receive posted first is completed by the later send."""
+    world = fabric(2)
+    out = np.zeros(3, np.int32)
+    recv = world.endpoint(1).irecv(out, 0, 0, H)
+    assert not recv.test()
+    world.endpoint(0).isend(np.array([1, 2, 3], np.int32), 1, 0, H).wait(1)
+    recv.wait(1)
+    np.testing.assert_array_equal(out, [1, 2, 3])
+
+
+@pytest.mark.parametrize("receives_first", [False, True])
+def test_fifo_matching_per_source_destination_tag(receives_first: bool) -> None:
+    """Messages between one pair with one tag match in posting order (MPI non-overtaking), and
+    different tags or sources never match each other."""
+    world = fabric(3)
+    sends_a = [np.full(2, value, np.int64) for value in (1, 2, 3)]
+    outs_a = [np.zeros(2, np.int64) for _ in range(3)]
+    out_other_tag = np.zeros(2, np.int64)
+    out_other_src = np.zeros(2, np.int64)
+
+    def post_receives() -> list:
+        requests = [world.endpoint(1).irecv(out, 0, 5, H) for out in outs_a]
+        requests.append(world.endpoint(1).irecv(out_other_tag, 0, 6, H))
+        requests.append(world.endpoint(1).irecv(out_other_src, 2, 5, H))
+        return requests
+
+    def post_sends() -> list:
+        requests = [world.endpoint(2).isend(np.full(2, 20, np.int64), 1, 5, H)]
+        requests.append(world.endpoint(0).isend(np.full(2, 60, np.int64), 1, 6, H))
+        requests += [world.endpoint(0).isend(buf, 1, 5, H) for buf in sends_a]
+        return requests
+
+    if receives_first:
+        requests = post_receives() + post_sends()
+    else:
+        requests = post_sends() + post_receives()
+    for request in requests:
+        request.wait(1)
+    assert [int(out[0]) for out in outs_a] == [1, 2, 3]
+    assert out_other_tag[0] == 60 and out_other_src[0] == 20
+
+
+def test_header_mismatch_fails_both_sides_naming_both_headers() -> None:
+    """A receive expecting another header fails both requests with MismatchError quoting both."""
+    world = fabric(2)
+    send = world.endpoint(0).isend(np.ones(2), 1, 3, b"allreduce shape=(2,)")
+    recv = world.endpoint(1).irecv(np.zeros(2), 0, 3, b"barrier")
+    for request in (send, recv):
+        with pytest.raises(MismatchError) as caught:
+            request.wait(1)
+        message = str(caught.value)
+        assert "allreduce shape=(2,)" in message and "barrier" in message
+        assert "rank 0" in message and "rank 1" in message
+
+
+def test_size_mismatch_fails_both_sides() -> None:
+    """Same header but a different byte count fails both with MismatchError naming both sizes."""
+    world = fabric(2)
+    recv = world.endpoint(1).irecv(np.zeros(3), 0, 3, H)
+    send = world.endpoint(0).isend(np.ones(4), 1, 3, H)
+    for request in (send, recv):
+        with pytest.raises(MismatchError, match="24 bytes.*32 bytes"):
+            request.wait(1)
+
+
+def test_same_size_different_dtype_copies_raw_bytes() -> None:
+    """Buffers of equal byte size but different dtypes exchange raw bytes (the header is what
+    guards dtype agreement)."""
+    world = fabric(2)
+    source = np.array([1.5, -2.0], np.float32)
+    out = np.zeros(2, np.int32)
+    world.endpoint(0).isend(source, 1, 0, H)
+    world.endpoint(1).irecv(out, 0, 0, H).wait(1)
+    assert out.tobytes() == source.tobytes()
+
+
+def test_wait_timeout_keeps_request_pending() -> None:
+    """wait(timeout) raises the builtin TimeoutError and the request can still complete later."""
+    world = fabric(2)
+    out = np.zeros(1)
+    recv = world.endpoint(1).irecv(out, 0, 0, H)
+    with pytest.raises(TimeoutError) as caught:
+        recv.wait(0.01)
+    assert not isinstance(caught.value, CollectiveError)
+    world.endpoint(0).isend(np.ones(1), 1, 0, H)
+    recv.wait(1)
+    assert out[0] == 1
+
+
+def test_empty_messages_match() -> None:
+    """Zero-byte messages (barrier tokens) match and complete."""
+    world = fabric(2)
+    send = world.endpoint(0).isend(np.empty(0, np.uint8), 1, 0, H)
+    recv = world.endpoint(1).irecv(np.empty(0, np.uint8), 0, 0, H)
+    send.wait(1)
+    recv.wait(1)
+
+
+@pytest.mark.parametrize(
+    ("error", "expected_type"),
+    [(RuntimeError("disk on fire"), PeerLostError), (MismatchError("shapes differ"), MismatchError)],
+)
+def test_abort_wakes_pending_requests_and_fails_later_posts(error: BaseException, expected_type: type) -> None:
+    """abort() fails every pending request of every rank (a blocked waiter wakes up) and every later
+    post, as PeerLostError naming the origin, or MismatchError if the cause was a mismatch."""
+    world = fabric(3)
+    blocked = world.endpoint(1).irecv(np.zeros(2), 0, 0, H)
+    pending_send = world.endpoint(2).isend(np.ones(2), 0, 9, H)
+    woke: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            blocked.wait(10)
+        except CollectiveError as caught:
+            woke.append(caught)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    world.abort(2, error)
+    thread.join(5)
+    assert not thread.is_alive(), "abort did not wake the blocked waiter"
+    assert len(woke) == 1 and type(woke[0]) is expected_type
+    assert str(error) in str(woke[0]) and "rank 2" in str(woke[0])
+    with pytest.raises(expected_type):
+        pending_send.wait(0)
+    later = world.endpoint(0).isend(np.ones(2), 1, 0, H)
+    assert later.test()
+    with pytest.raises(expected_type, match=str(error)):
+        later.wait(0)
+
+
+def test_first_abort_wins() -> None:
+    """A second abort does not replace the first cause."""
+    world = fabric(2)
+    world.abort(0, RuntimeError("first"))
+    world.abort(1, RuntimeError("second"))
+    with pytest.raises(PeerLostError, match="first") as caught:
+        world.endpoint(1).irecv(np.zeros(1), 0, 0, H).wait(0)
+    assert "second" not in str(caught.value)
+
+
+def test_close_fails_requests_involving_the_closed_rank_only() -> None:
+    """close(rank) fails pending requests to or from that rank (its own and its peers'), leaves
+    other pairs' requests pending, and later posts involving it fail at once."""
+    world = fabric(3)
+    from_closed = world.endpoint(0).irecv(np.zeros(1), 1, 0, H)
+    to_closed = world.endpoint(2).isend(np.ones(1), 1, 0, H)
+    own = world.endpoint(1).irecv(np.zeros(1), 2, 4, H)
+    unrelated = world.endpoint(0).irecv(np.zeros(1), 2, 0, H)
+    world.endpoint(1).close()
+    for request in (from_closed, to_closed, own):
+        with pytest.raises(PeerLostError, match="closed"):
+            request.wait(1)
+    with pytest.raises(TimeoutError):
+        unrelated.wait(0.01)
+    with pytest.raises(PeerLostError, match="peer rank 1"):
+        world.endpoint(0).isend(np.ones(1), 1, 0, H).wait(0)
+    with pytest.raises(PeerLostError, match="already closed"):
+        world.endpoint(1).isend(np.ones(1), 0, 0, H).wait(0)
+    world.endpoint(2).isend(np.full(1, 5.0), 0, 0, H).wait(1)
+    unrelated.wait(1)
+
+
+@pytest.mark.parametrize(
+    ("buf", "error_type", "match"),
+    [
+        (np.zeros((2, 2)), ValueError, "1-D"),
+        (np.zeros(6)[::2], ValueError, "contiguous"),
+        ([0.0, 1.0], TypeError, "list"),
+    ],
+    ids=["2-d", "strided", "list"],
+)
+def test_rejects_bad_buffers(buf: object, error_type: type, match: str) -> None:
+    """Buffers must be 1-D C-contiguous arrays."""
+    world = fabric(2)
+    with pytest.raises(error_type, match=match):
+        world.endpoint(0).isend(buf, 1, 0, H)
+    with pytest.raises(error_type, match=match):
+        check_buffer(buf)
+
+
+def test_rejects_bad_ranks() -> None:
+    """Peers and endpoints outside the world, and empty worlds, are ValueErrors."""
+    world = fabric(2)
+    with pytest.raises(ValueError, match="peer 2"):
+        world.endpoint(0).isend(np.ones(1), 2, 0, H)
+    with pytest.raises(ValueError, match="peer -1"):
+        world.endpoint(0).irecv(np.ones(1), -1, 0, H)
+    with pytest.raises(ValueError, match="rank 5"):
+        world.endpoint(5)
+    with pytest.raises(ValueError):
+        ThreadFabric([])
+
+
+@pytest.mark.parametrize(
+    ("world_size", "ranks_per_node", "expected"),
+    [
+        (3, None, ["node0"] * 3),
+        (5, 2, ["node0", "node0", "node1", "node1", "node2"]),
+        (6, [3, 1, 2], ["node0"] * 3 + ["node1"] + ["node2"] * 2),
+        (2, 1, ["node0", "node1"]),
+    ],
+)
+def test_node_hosts(world_size: int, ranks_per_node: object, expected: list[str]) -> None:
+    """node_hosts places ranks on emulated nodes in rank order."""
+    assert node_hosts(world_size, ranks_per_node) == expected
+
+
+def test_error_helpers() -> None:
+    """Aborts propagate mismatches as MismatchError and anything else as PeerLostError."""
+    assert abort_kind(MismatchError("x")) != abort_kind(RuntimeError("x"))
+    rebuilt = error_from_abort(3, abort_kind(MismatchError("a vs b")), "a vs b", rank=1)
+    assert isinstance(rebuilt, MismatchError) and "a vs b" in str(rebuilt) and "rank 3" in str(rebuilt)
+    lost = error_from_abort(3, abort_kind(OSError("gone")), "gone", rank=1)
+    assert isinstance(lost, PeerLostError) and "rank 1" in str(lost) and "rank 3" in str(lost)
+
+
+def test_concurrent_streams_between_many_threads() -> None:
+    """Many threads exchanging numbered messages concurrently all receive them in order."""
+    world = fabric(4)
+    messages = 200
+    received: dict[tuple[int, int], list[int]] = {}
+
+    def rank_main(rank: int) -> None:
+        endpoint = world.endpoint(rank)
+        peers = [peer for peer in range(4) if peer != rank]
+        sends = [endpoint.isend(np.full(1, i, np.int64), peer, 1, H) for i in range(messages) for peer in peers]
+        for peer in peers:
+            outs = [np.zeros(1, np.int64) for _ in range(messages)]
+            requests = [endpoint.irecv(out, peer, 1, H) for out in outs]
+            for request in requests:
+                request.wait(10)
+            received[rank, peer] = [int(out[0]) for out in outs]
+        for request in sends:
+            request.wait(10)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(received) == 12
+    assert all(values == list(range(messages)) for values in received.values())
