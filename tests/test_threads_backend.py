@@ -145,6 +145,7 @@ def test_empty_messages_match() -> None:
     recv = world.endpoint(1).irecv(np.empty(0, np.uint8), 0, 0, H)
     send.wait(1)
     recv.wait(1)
+    assert send.test() and recv.test()
 
 
 @pytest.mark.parametrize(
