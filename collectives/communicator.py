@@ -53,7 +53,7 @@ DEFAULT_TIMEOUT = 60.0
 ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
 """Algorithms `allreduce` accepts by name, besides "auto"."""
 
-SMALL_MESSAGE_BYTES = 64 * 1024
+SMALL_MESSAGE_BYTES = 2 * 1024 * 1024
 """Below this size `auto` prefers the latency-optimal tree to the bandwidth-optimal ring."""
 
 _HOST_RECORD_BYTES = 128

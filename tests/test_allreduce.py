@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import collectives
+from collectives.communicator import SMALL_MESSAGE_BYTES
 from conftest import (
     ALL_ALGORITHMS,
     DTYPES,
@@ -220,7 +221,7 @@ def test_auto_resolves_by_size_and_topology(
     across nodes of several ranks, by message size, and records the choice in `last_algorithm`;
     an explicit name is recorded as given. Results stay correct."""
     small = np.ones(16, np.float32)
-    large = np.ones(64 * 1024, np.float32)  # 256 KiB, above the small-message threshold
+    large = np.ones(SMALL_MESSAGE_BYTES // 4, np.float32)  # at the small-message threshold
 
     def body(comm: collectives.Communicator) -> list[Any]:
         seen: list[Any] = [comm.last_algorithm]
