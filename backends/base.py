@@ -14,6 +14,8 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
   who knows the collective, turns it into a `CollectiveTimeoutError`), or a `CollectiveError`
   when the peer aborted or the message did not match.
 * `abort(error)` tells every peer that this rank gives up, so they fail at once rather than wait.
+* Optionally, `native_allreduce` runs the engine's own all-reduce (MPI_Allreduce, ncclAllReduce),
+  offered to users as `algorithm="native"` for side-by-side comparison.
 * Optionally (`fuses_receive_reduce = True`), `irecv_reduce` hands the incoming message to a
   callback instead of storing it, so a reduction reads the peer's data once, straight from where
   it arrives (the threads backend reads the sender's buffer). Algorithms fall back to receiving
@@ -76,6 +78,16 @@ class Transport(abc.ABC):
         gives the expected size. Only for backends with `fuses_receive_reduce`.
         """
         raise NotImplementedError(f"{type(self).__name__} does not fuse receive and reduce")
+
+    has_native_allreduce: bool = False
+    """Whether `native_allreduce` is available."""
+
+    def native_allreduce(self, src: Buffer, dst: Buffer, op: str) -> None:
+        """The engine's own all-reduce of `src` into `dst` (op: sum, max, min or prod).
+
+        Only for backends with `has_native_allreduce`; `src` may be `dst`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no native all-reduce")
 
     @abc.abstractmethod
     def abort(self, error: BaseException) -> None:

@@ -10,6 +10,9 @@ Quick start, no cluster needed::
 
     print(collectives.run_threads(step, world_size=4))
 
+Across processes, start the ranks with `mpiexec`, `TF_CONFIG` or `python -m collectives.launch`
+and call `collectives.init()` in each.
+
 Importing this package needs only numpy (and numba, used lazily for float16 kernels); concrete
 backends are imported when asked for.
 """
@@ -24,7 +27,8 @@ from backends.errors import (
 )
 
 from ._version import __version__
-from .communicator import ALLREDUCE_ALGORITHMS, DEFAULT_TIMEOUT, Communicator, Work
+from .bootstrap import default_communicator, init
+from .communicator import ALLREDUCE_ALGORITHMS, DEFAULT_TIMEOUT, NATIVE, Communicator, Work
 from .ops import REDUCTION_DTYPES, ReduceOp
 from .runner import run_threads
 from .topology import Topology
@@ -38,11 +42,14 @@ __all__ = [
     "CommunicatorBrokenError",
     "DEFAULT_TIMEOUT",
     "MismatchError",
+    "NATIVE",
     "PeerLostError",
     "REDUCTION_DTYPES",
     "ReduceOp",
     "Topology",
     "Work",
     "__version__",
+    "default_communicator",
+    "init",
     "run_threads",
 ]

@@ -51,7 +51,10 @@ DEFAULT_TIMEOUT = 60.0
 """Seconds any single collective may take before it fails with `CollectiveTimeoutError`."""
 
 ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
-"""Algorithms `allreduce` accepts by name, besides "auto"."""
+"""The library's all-reduce algorithms; they run on every backend."""
+
+NATIVE = "native"
+"""The backend's own all-reduce (MPI_Allreduce, ncclAllReduce), where it has one."""
 
 SMALL_MESSAGE_BYTES = 2 * 1024 * 1024
 """Below this size `auto` prefers the latency-optimal tree to the bandwidth-optimal ring."""
@@ -156,6 +159,12 @@ class Communicator:
         return self.topology.local_size(self.rank)
 
     @property
+    def algorithms(self) -> tuple[str, ...]:
+        """The all-reduce algorithms usable here: the library's, plus "native" if the backend has one."""
+        native = (NATIVE,) if self._transport.has_native_allreduce else ()
+        return (*ALLREDUCE_ALGORITHMS, *native)
+
+    @property
     def broken(self) -> bool:
         return self._broken is not None
 
@@ -198,7 +207,10 @@ class Communicator:
         nodes = self.topology.nodes
 
         def run(group: Group) -> np.ndarray:
-            if chosen == "reference":
+            if chosen == NATIVE:
+                self._transport.native_allreduce(flat, target, "sum" if op is ReduceOp.MEAN else op.value)
+                finalize(op, target, self.size)
+            elif chosen == "reference":
                 reference_allreduce(group, flat, target, op)
             elif chosen.startswith("hierarchical"):
                 inner = "tree" if chosen == "hierarchical_tree" else "ring"
@@ -340,9 +352,14 @@ class Communicator:
 
     def _choose_allreduce(self, algorithm: str, nbytes: int) -> str:
         if algorithm != "auto":
-            if algorithm not in ALLREDUCE_ALGORITHMS:
-                names = ", ".join(repr(a) for a in ("auto", *ALLREDUCE_ALGORITHMS))
+            if algorithm not in (*ALLREDUCE_ALGORITHMS, NATIVE):
+                names = ", ".join(repr(a) for a in ("auto", *ALLREDUCE_ALGORITHMS, NATIVE))
                 raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {names}")
+            if algorithm == NATIVE and not self._transport.has_native_allreduce:
+                raise ValueError(
+                    f"algorithm 'native' needs a backend with its own all-reduce (MPI, NCCL); "
+                    f"{type(self._transport).__name__} has none"
+                )
             return algorithm
         if self.topology.is_hierarchical:
             return "hierarchical_tree" if nbytes < SMALL_MESSAGE_BYTES else "hierarchical"

@@ -1,0 +1,125 @@
+"""`init()`: work out how this process was launched and build its communicator.
+
+Users start ranks the way they already do, and `init()` recognises it:
+
+* `mpiexec -n 4 python train.py` (MPICH, Open MPI, any PMI launcher) -> the MPI backend;
+* `TF_CONFIG` (tf.distribute, Kubernetes templates) -> the gRPC backend;
+* `python -m collectives.launch -n 4 [--backend grpc|mpi] train.py` -> whichever it asks for;
+* nothing -> a one-rank communicator, so the same script runs on a laptop.
+
+The backend's module is imported only when chosen, so a missing optional dependency only matters
+(as `BackendUnavailableError`, naming the extra to install) when that backend is asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping
+
+from backends.base import Transport
+
+from .communicator import DEFAULT_TIMEOUT, Communicator
+from .layout import DEFAULT_SEGMENT_BYTES
+
+log = logging.getLogger(__name__)
+
+ENV_BACKEND = "COLLECTIVES_BACKEND"
+"""Forces a backend: "mpi", "grpc" or "threads" (one rank)."""
+ENV_RANKS_PER_NODE = "COLLECTIVES_RANKS_PER_NODE"
+"""Emulates nodes of this many ranks on one machine (host = "node{rank // n}")."""
+ENV_RANK = "COLLECTIVES_RANK"
+ENV_WORLD_SIZE = "COLLECTIVES_WORLD_SIZE"
+ENV_ADDRESSES = "COLLECTIVES_ADDRESSES"
+"""Comma-separated host:port of every rank, in rank order (gRPC)."""
+ENV_SECRET = "COLLECTIVES_SECRET"
+"""Shared secret every gRPC call must carry."""
+
+BACKENDS = ("mpi", "grpc", "threads")
+
+_MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
+
+_default: Communicator | None = None
+
+
+def detect_backend(environ: Mapping[str, str]) -> str | None:
+    """The backend this process was launched for, or None when nothing says so."""
+    forced = environ.get(ENV_BACKEND)
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{ENV_BACKEND}={forced!r} is not a backend; expected one of {BACKENDS}")
+        return forced
+    if any(name in environ for name in _MPI_LAUNCH_VARIABLES):
+        return "mpi"
+    if "TF_CONFIG" in environ or ENV_ADDRESSES in environ:
+        return "grpc"
+    return None
+
+
+def init(
+    backend: str | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+) -> Communicator:
+    """Create this process's communicator and make it the default one.
+
+    Args:
+        backend: "mpi", "grpc" or "threads"; None detects it from the environment.
+        timeout: seconds each collective may take before `CollectiveTimeoutError` (gRPC also waits
+            this long for peers to start).
+        segment_bytes: pipelining granularity of the algorithms.
+
+    Returns:
+        The communicator; also returned by `default_communicator()` from now on.
+    """
+    global _default
+    chosen = backend if backend is not None else detect_backend(os.environ)
+    if chosen is not None and chosen not in BACKENDS:
+        raise ValueError(f"unknown backend {chosen!r}; expected one of {BACKENDS}")
+    transport = _make_transport(chosen, timeout)
+    _emulate_nodes(transport, os.environ)
+    comm = Communicator(transport, timeout=timeout, segment_bytes=segment_bytes)
+    if chosen is None:
+        log.info("collectives: no MPI launch, TF_CONFIG or launcher found; running as a single rank")
+    log.info(
+        "collectives: rank %d of %d on %s (backend %s, %d node(s))",
+        comm.rank, comm.size, transport.host, chosen or "threads", comm.topology.num_nodes,
+    )
+    _default = comm
+    return comm
+
+
+def default_communicator() -> Communicator:
+    """The communicator made by the last `init()` (what functions taking `comm=None` use)."""
+    if _default is None:
+        raise RuntimeError("collectives.init() has not been called in this process")
+    return _default
+
+
+def _make_transport(backend: str | None, timeout: float) -> Transport:
+    if backend == "mpi":
+        from backends.mpi import MPITransport
+
+        return MPITransport.from_environment()
+    if backend == "grpc":
+        from backends.grpc import GrpcTransport
+
+        return GrpcTransport.from_environment(startup_timeout=timeout)
+    from backends.threads import ThreadFabric
+
+    return ThreadFabric(["localhost"]).endpoint(0)
+
+
+def _emulate_nodes(transport: Transport, environ: Mapping[str, str]) -> None:
+    """Apply COLLECTIVES_RANKS_PER_NODE, so one machine can stand in for several nodes."""
+    value = environ.get(ENV_RANKS_PER_NODE)
+    if not value:
+        return
+    try:
+        ranks_per_node = int(value)
+    except ValueError:
+        ranks_per_node = 0
+    if ranks_per_node < 1:
+        raise ValueError(f"{ENV_RANKS_PER_NODE} must be a positive integer, got {value!r}")
+    transport.host = f"node{transport.rank // ranks_per_node}"

@@ -1,0 +1,191 @@
+"""`python -m collectives.launch -n 4 [--backend grpc|mpi] [--ranks-per-node 2] script.py args...`
+
+Starts the ranks of a job on this machine, like `horovodrun` or `torchrun`:
+
+* gRPC (default): one process per rank, each given its rank, the world size, every rank's loopback
+  address (free ports) and a fresh shared secret through the environment, so `collectives.init()`
+  finds them;
+* MPI: hands the job to the `mpiexec` installed with the `mpi` extra.
+
+Every line a rank prints is prefixed with "[rank]". If a rank exits non-zero, the others are
+stopped (SIGTERM, then SIGKILL), the failing rank's last lines are shown again, and the launcher
+exits with that rank's code. Only processes this launcher started are ever signalled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Sequence
+
+from .bootstrap import (
+    ENV_ADDRESSES,
+    ENV_BACKEND,
+    ENV_RANK,
+    ENV_RANKS_PER_NODE,
+    ENV_SECRET,
+    ENV_WORLD_SIZE,
+)
+
+_LAST_LINES = 20
+_STOP_GRACE_SECONDS = 5.0
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class _Rank:
+    """One started process and the tail of its output."""
+
+    def __init__(self, label: str, command: Sequence[str], env: dict[str, str], lock: threading.Lock):
+        self.label = label
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=_LAST_LINES)
+        self.process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, so we can stop it and its children
+        )
+        self._reader = threading.Thread(target=self._forward, args=(self.process.stdout, lock), daemon=True)
+        self._reader.start()
+
+    def _forward(self, stream: IO[bytes], lock: threading.Lock) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.last_lines.append(line)
+            with lock:
+                print(f"{self.label}{line}", flush=True)
+
+    def stop(self, sig: int) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def join_output(self) -> None:
+        self._reader.join(timeout=_STOP_GRACE_SECONDS)
+
+
+def _supervise(ranks: list[_Rank]) -> int:
+    """Wait for every rank; on the first failure stop the rest. Returns the exit code."""
+    try:
+        while True:
+            codes = [rank.process.poll() for rank in ranks]  # poll all: collects every exit
+            failed = next((r for r, code in zip(ranks, codes) if code not in (None, 0)), None)
+            if failed is not None or None not in codes:
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _stop_all(ranks)
+        return 130
+    if failed is None:
+        for rank in ranks:
+            rank.join_output()
+        return 0
+    _stop_all(ranks)
+    code = failed.process.returncode
+    reason = f"signal {-code}" if code < 0 else f"code {code}"
+    print(
+        f"collectives.launch: {failed.label.strip() or 'the job'} exited with {reason}; "
+        f"stopped the other ranks. Its last lines:",
+        file=sys.stderr,
+    )
+    for line in failed.last_lines:
+        print(f"    {line}", file=sys.stderr)
+    return code if code > 0 else 128 - code
+
+
+def _stop_all(ranks: list[_Rank]) -> None:
+    for rank in ranks:
+        rank.stop(signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_GRACE_SECONDS
+    for rank in ranks:
+        try:
+            rank.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rank.stop(signal.SIGKILL)
+            rank.process.wait()
+        rank.join_output()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m collectives.launch",
+        description="Start the ranks of a collectives job on this machine.",
+    )
+    parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    parser.add_argument("--backend", choices=("grpc", "mpi"), default="grpc")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="emulate nodes of this many ranks (for hierarchical algorithms)",
+    )
+    parser.add_argument("script", help="the Python script every rank runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.nprocs < 1:
+        print("collectives.launch: -n must be at least 1", file=sys.stderr)
+        return 2
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        print("collectives.launch: --ranks-per-node must be at least 1", file=sys.stderr)
+        return 2
+    base_env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_BACKEND: args.backend})
+    if args.ranks_per_node is not None:
+        base_env[ENV_RANKS_PER_NODE] = str(args.ranks_per_node)
+    command = [sys.executable, args.script, *args.args]
+    lock = threading.Lock()
+    if args.backend == "mpi":
+        mpiexec = _find_mpiexec()
+        if mpiexec is None:
+            print(
+                "collectives.launch: mpiexec not found; install the MPI extra: pip install -e '.[mpi]'",
+                file=sys.stderr,
+            )
+            return 2
+        ranks = [_Rank("", [mpiexec, "-prepend-rank", "-n", str(args.nprocs), *command], base_env, lock)]
+    else:
+        addresses = ",".join(f"127.0.0.1:{port}" for port in free_loopback_ports(args.nprocs))
+        shared = {ENV_WORLD_SIZE: str(args.nprocs), ENV_ADDRESSES: addresses, ENV_SECRET: secrets.token_hex(16)}
+        ranks = [
+            _Rank(f"[{rank}] ", command, {**base_env, **shared, ENV_RANK: str(rank)}, lock)
+            for rank in range(args.nprocs)
+        ]
+    return _supervise(ranks)
+
+
+def _find_mpiexec() -> str | None:
+    """The mpiexec next to this Python (the `mpich` wheel's), else the one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Collective test bodies written once and run on every backend.
+
+Each body takes a communicator, checks results against a float64 reference that every rank can
+compute on its own (each rank's input is a pure function of its rank and the case), checks that all
+ranks hold bit-identical results, and raises AssertionError otherwise. `test_bodies.py` runs them
+over threads; the MPI and gRPC tests run them in real processes through `run_body.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import numpy as np
+
+import collectives
+from collectives import Communicator
+
+COUNTS = (0, 1, 5, 100_003)
+DTYPES = ("float32", "float64", "float16", "int32")
+OPS = ("sum", "max", "mean")
+
+_TOLERANCE = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}
+
+
+def rank_input(rank: int, count: int, dtype: str, case: int) -> np.ndarray:
+    """The input of `rank` for one case: small values, so sums stay exact for integers."""
+    rng = np.random.default_rng([rank, count, DTYPES.index(dtype), case])
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-3, 4, size=count).astype(dtype)
+    return rng.uniform(-1, 1, size=count).astype(dtype)
+
+
+def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    """The float64 result of reducing `inputs` with `op`."""
+    stacked = np.stack([x.astype(np.float64) for x in inputs])
+    if op == "sum":
+        return stacked.sum(axis=0)
+    if op == "mean":
+        return stacked.mean(axis=0)
+    return stacked.max(axis=0)
+
+
+def assert_close(result: np.ndarray, expected: np.ndarray, dtype: str, size: int, what: str) -> None:
+    """Exact for integers; for floats a tolerance scaled by the number of ranks."""
+    assert result.dtype == np.dtype(dtype), f"{what}: dtype {result.dtype}, expected {dtype}"
+    if np.dtype(dtype).kind == "i":
+        np.testing.assert_array_equal(result, expected.astype(dtype), err_msg=what)
+    else:
+        tolerance = _TOLERANCE[dtype] * size
+        np.testing.assert_allclose(result.astype(np.float64), expected, rtol=tolerance, atol=tolerance, err_msg=what)
+
+
+def assert_identical_everywhere(comm: Communicator, result: np.ndarray, what: str) -> None:
+    """Every rank holds exactly the same bytes (compared through a digest all-gather)."""
+    digest = np.frombuffer(hashlib.sha256(result.tobytes()).digest(), dtype=np.uint8)
+    digests = comm.allgather(digest).reshape(comm.size, -1)
+    differing = [rank for rank in range(comm.size) if not np.array_equal(digests[rank], digest)]
+    assert not differing, f"{what}: rank {comm.rank}'s result differs from ranks {differing}"
+
+
+def allreduce_every_algorithm(comm: Communicator) -> None:
+    """Every algorithm (and the backend's native one, if any) x counts x dtypes x ops."""
+    algorithms = [*comm.algorithms, "auto"]
+    case = 0
+    for algorithm in algorithms:
+        for count in COUNTS:
+            for dtype in DTYPES:
+                for op in OPS:
+                    if op == "mean" and np.dtype(dtype).kind == "i":
+                        continue
+                    if algorithm == collectives.NATIVE and dtype == "float16":
+                        continue  # MPI has no standard half-precision type
+                    case += 1
+                    inputs = [rank_input(rank, count, dtype, case) for rank in range(comm.size)]
+                    what = f"allreduce {algorithm} count={count} {dtype} {op}"
+                    result = comm.allreduce(inputs[comm.rank], op=op, algorithm=algorithm)
+                    np.testing.assert_array_equal(inputs[comm.rank], rank_input(comm.rank, count, dtype, case), err_msg=f"{what}: input modified")
+                    assert_close(result, reference(inputs, op), dtype, comm.size, what)
+                    assert_identical_everywhere(comm, result, what)
+
+
+def other_collectives(comm: Communicator) -> None:
+    """reduce_scatter, allgather, broadcast from every root, barrier."""
+    p = comm.size
+    inputs = [rank_input(rank, 7 * p + 3, "float32", 1).reshape(-1, 1) for rank in range(p)]
+    block = comm.reduce_scatter(inputs[comm.rank])
+    rows = np.array_split(np.arange(7 * p + 3), p)[comm.rank]
+    assert_close(block, reference(inputs, "sum")[rows], "float32", p, "reduce_scatter")
+
+    gathered = comm.allgather(inputs[comm.rank])
+    np.testing.assert_array_equal(gathered, np.concatenate(inputs), err_msg="allgather")
+
+    for root in range(p):
+        mine = rank_input(comm.rank, 1001, "float64", 2 + root)
+        got = comm.broadcast(mine, root=root)
+        np.testing.assert_array_equal(got, rank_input(root, 1001, "float64", 2 + root), err_msg=f"broadcast root {root}")
+    comm.barrier()
+
+
+def shape_mismatch(comm: Communicator) -> None:
+    """The last rank passes shape (3, 4), the others (4, 3): MismatchError naming both, everywhere."""
+    shape = (3, 4) if comm.rank == comm.size - 1 else (4, 3)
+    try:
+        comm.allreduce(np.ones(shape, np.float32))
+    except collectives.MismatchError as error:
+        assert "(3, 4)" in str(error) and "(4, 3)" in str(error), f"message names one side only: {error}"
+        return
+    raise AssertionError(f"rank {comm.rank}: no MismatchError for shapes (3, 4) vs (4, 3)")
+
+
+BODIES: dict[str, Callable[[Communicator], None]] = {
+    "allreduce_every_algorithm": allreduce_every_algorithm,
+    "other_collectives": other_collectives,
+    "shape_mismatch": shape_mismatch,
+}
