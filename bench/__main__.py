@@ -1,20 +1,28 @@
-"""`python -m bench`: compare all-reduce algorithms side by side on the threads backend.
+"""`python -m bench`: compare all-reduce algorithms side by side.
 
 Prints an nccl-tests style table (size, count, type, redop, algorithm, time, algbw, busbw, #wrong).
-Defaults: 4 ranks on 2 emulated nodes, float32 sum, 4 KiB to 64 MiB by factors of 4.
+Defaults: threads backend, 4 ranks on 2 emulated nodes, float32 sum, 4 KiB to 64 MiB by factors
+of 4. With `--backend mpi` or `--backend grpc` the ranks are real processes, started for you
+(through mpiexec or `collectives.launch`); rank 0 hands its results back to this process.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+import subprocess
 import sys
+import tempfile
 from typing import Sequence
 
-from collectives import ALLREDUCE_ALGORITHMS, run_threads
+from collectives import ALLREDUCE_ALGORITHMS, NATIVE, run_threads
 
-from .measure import format_table, measure_allreduce
+from .measure import Measurement, format_table, measure_allreduce
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_DEFAULT_ALGORITHMS = {"threads": "ring,tree,hierarchical", "mpi": "ring,tree,hierarchical,native", "grpc": "ring,tree,hierarchical"}
 
 
 def parse_size(text: str) -> int:
@@ -45,47 +53,86 @@ def size_range(begin: int, end: int, factor: int) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("-n", "--ranks", type=int, default=4, help="number of ranks (default 4)")
-    parser.add_argument(
-        "--ranks-per-node", type=int, default=2, help="emulated ranks per node (default 2)"
-    )
+    parser.add_argument("--backend", choices=("threads", "mpi", "grpc"), default="threads")
+    parser.add_argument("-n", "--ranks", type=int, default=None, help="number of ranks (default 4 on threads, 2 otherwise)")
+    parser.add_argument("--ranks-per-node", type=int, default=None, help="emulated ranks per node (default 2 on threads)")
     parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"))
     parser.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
     parser.add_argument("-f", "--stepfactor", type=int, default=4)
     parser.add_argument(
         "-a",
         "--algorithms",
-        default="ring,tree,hierarchical",
-        help=f"comma-separated, from: auto,{','.join(ALLREDUCE_ALGORITHMS)}",
+        default=None,
+        help=f"comma-separated, from: auto,{','.join(ALLREDUCE_ALGORITHMS)},{NATIVE} (MPI only)",
     )
     parser.add_argument("-d", "--dtype", default="float32")
     parser.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations")
     parser.add_argument("-i", "--iters", type=int, default=9, help="timed iterations")
+    parser.add_argument("--worker-output", help=argparse.SUPPRESS)  # set when started as a rank
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    unknown = sorted(set(algorithms) - {"auto", *ALLREDUCE_ALGORITHMS})
+    algorithms = [a.strip() for a in (args.algorithms or _DEFAULT_ALGORITHMS[args.backend]).split(",") if a.strip()]
+    unknown = sorted(set(algorithms) - {"auto", NATIVE, *ALLREDUCE_ALGORITHMS})
     if unknown:
         print(f"unknown algorithm(s): {', '.join(unknown)}", file=sys.stderr)
         return 2
+    if NATIVE in algorithms and args.backend != "mpi":
+        print(f"algorithm {NATIVE!r} needs --backend mpi", file=sys.stderr)
+        return 2
     sizes = size_range(args.minbytes, args.maxbytes, args.stepfactor)
+
+    def measure(comm) -> list[Measurement]:
+        return measure_allreduce(comm, sizes, algorithms, dtype=args.dtype, warmup=args.warmup, iterations=args.iters)
+
+    if args.worker_output:
+        return _run_as_rank(measure, args.worker_output)
+    ranks = args.ranks or (4 if args.backend == "threads" else 2)
+    per_node = args.ranks_per_node or (2 if args.backend == "threads" else None)
     print(
-        f"# all-reduce, threads backend, {args.ranks} ranks, {args.ranks_per_node} per node, "
-        f"{args.dtype} sum; time = median over {args.iters} iterations of the slowest rank"
+        f"# all-reduce, {args.backend} backend, {ranks} ranks"
+        f"{f', {per_node} per node' if per_node else ''}, {args.dtype} sum; "
+        f"time = median over {args.iters} iterations of the slowest rank"
     )
-    results = run_threads(
-        lambda comm: measure_allreduce(
-            comm, sizes, algorithms, dtype=args.dtype, warmup=args.warmup, iterations=args.iters
-        ),
-        args.ranks,
-        ranks_per_node=args.ranks_per_node,
-    )
-    rows = results[0]
+    if args.backend == "threads":
+        rows = run_threads(measure, ranks, ranks_per_node=per_node)[0]
+    else:
+        rows = _run_in_processes(args.backend, ranks, per_node, sys.argv[1:] if argv is None else list(argv))
+        if rows is None:
+            return 1
     print(format_table(rows))
     return 1 if any(row.wrong for row in rows) else 0
+
+
+def _run_as_rank(measure, output_path: str) -> int:
+    """Inside a launched job: measure on this rank; rank 0 writes the rows for the parent."""
+    import collectives
+
+    comm = collectives.init()
+    rows = measure(comm)
+    if comm.rank == 0:
+        with open(output_path, "w") as output:
+            json.dump([dataclasses.asdict(row) for row in rows], output)
+    comm.close()
+    return 0
+
+
+def _run_in_processes(backend: str, ranks: int, per_node: int | None, argv: list[str]) -> list[Measurement] | None:
+    """Start `ranks` processes of this benchmark through the launcher and collect rank 0's rows."""
+    with tempfile.TemporaryDirectory() as scratch:
+        output_path = os.path.join(scratch, "rows.json")
+        command = [sys.executable, "-m", "collectives.launch", "-n", str(ranks), "--backend", backend]
+        if per_node:
+            command += ["--ranks-per-node", str(per_node)]
+        command += ["-m", "bench", *argv, "--worker-output", output_path]
+        finished = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if finished.returncode != 0 or not os.path.exists(output_path):
+            print(f"the {backend} ranks failed (exit code {finished.returncode}):\n{finished.stdout}", file=sys.stderr)
+            return None
+        with open(output_path) as rows:
+            return [Measurement(**row) for row in json.load(rows)]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m collectives.launch -n 4 [--backend grpc|mpi] [--ranks-per-node 2] script.py args...`
+"""`python -m collectives.launch -n 4 [--backend grpc|mpi] [--ranks-per-node 2] [-m] script.py args...`
 
 Starts the ranks of a job on this machine, like `horovodrun` or `torchrun`:
 
@@ -144,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="emulate nodes of this many ranks (for hierarchical algorithms)",
     )
-    parser.add_argument("script", help="the Python script every rank runs")
+    parser.add_argument(
+        "-m", "--module", action="store_true", help="run the script argument as a module (python -m)"
+    )
+    parser.add_argument("script", help="the Python script (or, with -m, module) every rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
 
@@ -160,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base_env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_BACKEND: args.backend})
     if args.ranks_per_node is not None:
         base_env[ENV_RANKS_PER_NODE] = str(args.ranks_per_node)
-    command = [sys.executable, args.script, *args.args]
+    command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
     lock = threading.Lock()
     if args.backend == "mpi":
         mpiexec = _find_mpiexec()

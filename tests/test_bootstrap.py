@@ -1,0 +1,73 @@
+"""`collectives.init()`: which backend a launch means, the one-rank fallback, node emulation."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import collectives
+from collectives import bootstrap
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, None),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpi"),  # MPICH / hydra
+        ({"OMPI_COMM_WORLD_RANK": "1"}, "mpi"),  # Open MPI
+        ({"TF_CONFIG": "{}"}, "grpc"),
+        ({"COLLECTIVES_ADDRESSES": "127.0.0.1:1"}, "grpc"),
+        ({"COLLECTIVES_BACKEND": "mpi", "TF_CONFIG": "{}"}, "mpi"),  # the explicit choice wins
+    ],
+)
+def test_detect_backend(environ: dict[str, str], expected: str | None) -> None:
+    """An MPI launch, TF_CONFIG or the launcher's variables each select their backend."""
+    assert bootstrap.detect_backend(environ) == expected
+
+
+def test_unknown_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="COLLECTIVES_BACKEND='tcp' is not a backend"):
+        bootstrap.detect_backend({"COLLECTIVES_BACKEND": "tcp"})
+    with pytest.raises(ValueError, match="unknown backend 'tcp'"):
+        collectives.init("tcp")
+
+
+def test_init_without_a_launcher_is_one_rank_and_says_so(monkeypatch, caplog) -> None:
+    """Nothing detected: a working size-1 communicator, announced once at info level, that
+    becomes the default communicator."""
+    for name in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "TF_CONFIG",
+                 "COLLECTIVES_ADDRESSES", "COLLECTIVES_BACKEND", "COLLECTIVES_RANKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.INFO, logger="collectives.bootstrap"):
+        comm = collectives.init()
+    try:
+        assert (comm.rank, comm.size) == (0, 1)
+        assert "running as a single rank" in caplog.text
+        assert collectives.default_communicator() is comm
+        np.testing.assert_array_equal(comm.allreduce(np.arange(3.0)), np.arange(3.0))
+    finally:
+        comm.close()
+
+
+def test_ranks_per_node_sets_the_host(monkeypatch) -> None:
+    monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "2")
+    comm = collectives.init("threads")
+    try:
+        assert comm.topology.hosts == ("node0",)
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_bad_ranks_per_node_is_refused(monkeypatch, value: str) -> None:
+    monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", value)
+    with pytest.raises(ValueError, match="COLLECTIVES_RANKS_PER_NODE must be a positive integer"):
+        collectives.init("threads")
+
+
+def test_default_communicator_before_init(monkeypatch) -> None:
+    monkeypatch.setattr(bootstrap, "_default", None)
+    with pytest.raises(RuntimeError, match=r"collectives.init\(\) has not been called"):
+        collectives.default_communicator()

@@ -1,0 +1,122 @@
+"""The launcher (`python -m collectives.launch`): environment, output prefixes, failure handling.
+
+These start real processes on this machine; each run is bounded by a timeout and every process is
+checked to be gone afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+LAUNCH_TIMEOUT = 60
+
+
+def launch(tmp_path: Path, body: str, *launcher_args: str) -> subprocess.CompletedProcess:
+    """Run `body` as a script on the launcher's ranks; the whole launch is bounded in time."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    command = [sys.executable, "-m", "collectives.launch", *launcher_args, str(script)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_get_their_environment_and_prefixed_output(tmp_path: Path) -> None:
+    """Each rank sees its rank, the world size, loopback addresses, a secret and the node layout,
+    and every line it prints reaches the launcher's output prefixed with "[rank] "."""
+    result = launch(
+        tmp_path,
+        """
+        import os
+        env = os.environ
+        print("rank", env["COLLECTIVES_RANK"], "of", env["COLLECTIVES_WORLD_SIZE"],
+              "backend", env["COLLECTIVES_BACKEND"], "per-node", env["COLLECTIVES_RANKS_PER_NODE"],
+              "secret", len(env["COLLECTIVES_SECRET"]), "addresses", env["COLLECTIVES_ADDRESSES"])
+        """,
+        "-n", "3", "--ranks-per-node", "2",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.strip())
+    assert len(lines) == 3
+    addresses = None
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"[{rank}] rank {rank} of 3 backend grpc per-node 2 secret 32 addresses ")
+        listed = line.rsplit(" ", 1)[1].split(",")
+        assert len(listed) == 3 and all(a.startswith("127.0.0.1:") for a in listed)
+        assert len(set(listed)) == 3
+        addresses = addresses or listed
+        assert listed == addresses  # every rank gets the same cluster description
+
+
+def test_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path: Path) -> None:
+    """Rank 1 exits with code 3 while the others would run for a minute: the launcher stops them
+    promptly, exits 3, repeats rank 1's last lines, and leaves no process behind."""
+    started = time.monotonic()
+    result = launch(
+        tmp_path,
+        """
+        import os, sys, time
+        rank = int(os.environ["COLLECTIVES_RANK"])
+        print("pid", os.getpid(), flush=True)
+        if rank == 1:
+            print("rank 1 gives up", flush=True)
+            time.sleep(0.5)
+            sys.exit(3)
+        time.sleep(60)
+        """,
+        "-n", "3",
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert elapsed < 30, f"the launcher took {elapsed:.0f} s to stop the other ranks"
+    assert "[1] exited with code 3" in result.stderr
+    assert "rank 1 gives up" in result.stderr  # repeated among its last lines
+    pids = [int(line.split()[-1]) for line in result.stdout.splitlines() if " pid " in line]
+    assert len(pids) == 3
+    assert not [pid for pid in pids if alive(pid)], "a rank outlived the launcher"
+
+
+def test_killed_rank_is_reported_as_a_signal(tmp_path: Path) -> None:
+    """A rank killed by SIGKILL makes the launcher exit non-zero, naming the signal."""
+    result = launch(
+        tmp_path,
+        """
+        import os, signal, time
+        if os.environ["COLLECTIVES_RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """,
+        "-n", "2",
+    )
+    assert result.returncode == 128 + 9
+    assert "exited with signal 9" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["-n", "0", "job.py"], "-n must be at least 1"),
+        (["-n", "2", "--ranks-per-node", "0", "job.py"], "--ranks-per-node must be at least 1"),
+    ],
+)
+def test_bad_arguments_are_refused(arguments: list[str], message: str) -> None:
+    """Nonsense sizes are refused with exit code 2 and a message, before anything starts."""
+    result = subprocess.run(
+        [sys.executable, "-m", "collectives.launch", *arguments],
+        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
