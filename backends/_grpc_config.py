@@ -1,0 +1,273 @@
+"""Cluster description and wire format of the gRPC transport (pure Python, no grpcio needed).
+
+Kept apart from `backends.grpc` so that configuration errors and frame parsing can be tested (and
+reported) without grpcio installed.
+
+Cluster description, in order of precedence:
+
+1. The library's own variables, set by its launcher: ``COLLECTIVES_RANK``,
+   ``COLLECTIVES_WORLD_SIZE`` and ``COLLECTIVES_ADDRESSES`` (comma-separated ``host:port`` in rank
+   order).
+2. ``TF_CONFIG`` as tf.distribute and Kubernetes operators set it:
+   ``{"cluster": {"chief": [...], "worker": [...]}, "task": {"type": "worker", "index": 1}}``.
+   Ranks are the chief (if any) followed by the workers, as in
+   ``MultiWorkerMirroredStrategy``; other task types (ps, evaluator) take no part.
+
+Common to both: ``COLLECTIVES_SECRET`` (shared secret every call must carry),
+``COLLECTIVES_TLS_CERT`` / ``COLLECTIVES_TLS_KEY`` / ``COLLECTIVES_TLS_CA`` (PEM files; cert and
+key enable TLS, the CA also makes the server require client certificates),
+``COLLECTIVES_TLS_SERVER_NAME`` (name to check the peers' certificates against, when they are
+issued for a name rather than the addresses), and ``COLLECTIVES_RANKS_PER_NODE``.
+
+Node identity (`host`, which decides the topology of hierarchical algorithms):
+``COLLECTIVES_RANKS_PER_NODE=n`` places rank r on ``node{r // n}`` (to emulate nodes on one
+machine). Otherwise it is the host part of the rank's address, except that loopback and wildcard
+addresses (127.x.y.z, ::1, localhost, 0.0.0.0, ::) stand for this machine and become
+``socket.gethostname()``, so that ranks started on one machine with 127.0.0.1 share a node. Two
+spellings of one machine (a name and an IP) count as two nodes: use one spelling per node.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Mapping
+
+ENV_RANK = "COLLECTIVES_RANK"
+ENV_WORLD_SIZE = "COLLECTIVES_WORLD_SIZE"
+ENV_ADDRESSES = "COLLECTIVES_ADDRESSES"
+ENV_SECRET = "COLLECTIVES_SECRET"
+ENV_TLS_CERT = "COLLECTIVES_TLS_CERT"
+ENV_TLS_KEY = "COLLECTIVES_TLS_KEY"
+ENV_TLS_CA = "COLLECTIVES_TLS_CA"
+ENV_TLS_SERVER_NAME = "COLLECTIVES_TLS_SERVER_NAME"
+ENV_RANKS_PER_NODE = "COLLECTIVES_RANKS_PER_NODE"
+ENV_TF_CONFIG = "TF_CONFIG"
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM contents for TLS (read at configuration time, so a missing file fails early)."""
+
+    certificate: bytes
+    private_key: bytes
+    ca: bytes | None = None
+    server_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything a rank needs to join the gRPC world."""
+
+    rank: int
+    addresses: tuple[str, ...]
+    host: str
+    secret: bytes | None = None
+    tls: TlsFiles | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.addresses)
+
+
+def split_address(address: str, *, what: str) -> tuple[str, int]:
+    """('host', port) of 'host:port' or '[v6]:port'; ValueError naming `what` otherwise."""
+    host, sep, port_text = address.strip().rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"{what}: expected 'host:port', got {address!r}")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"{what}: port must be in 1..65535, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{what}: write IPv6 addresses in brackets ('[::1]:port'), got {address!r}")
+    return host, port
+
+
+def is_local_host(host: str) -> bool:
+    """Whether `host` means "this machine" (loopback or wildcard), not a node's name."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def _int_variable(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
+    text = environ.get(name)
+    if text is None or not text.strip():
+        raise ValueError(f"{name} is not set; expected an integer >= {minimum}")
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return value
+
+
+def _from_collectives_variables(environ: Mapping[str, str]) -> tuple[int, tuple[str, ...]]:
+    size = _int_variable(environ, ENV_WORLD_SIZE, minimum=1)
+    rank = _int_variable(environ, ENV_RANK, minimum=0)
+    if rank >= size:
+        raise ValueError(f"{ENV_RANK}={rank} is outside the world of {ENV_WORLD_SIZE}={size} ranks")
+    text = environ.get(ENV_ADDRESSES, "")
+    addresses = tuple(part.strip() for part in text.split(",") if part.strip())
+    if len(addresses) != size:
+        raise ValueError(
+            f"{ENV_ADDRESSES} must list {size} comma-separated host:port addresses "
+            f"({ENV_WORLD_SIZE}={size}), got {len(addresses)}: {text!r}"
+        )
+    return rank, addresses
+
+
+def parse_tf_config(text: str) -> tuple[int, tuple[str, ...]]:
+    """(rank, addresses) from a TF_CONFIG JSON string: chief first, then workers."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{ENV_TF_CONFIG} is not valid JSON ({error}): {text[:200]!r}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
+        raise ValueError(f'{ENV_TF_CONFIG} must be a JSON object with a "cluster" object, got {text[:200]!r}')
+    cluster = config["cluster"]
+    jobs: dict[str, list[str]] = {}
+    for job in ("chief", "worker"):
+        members = cluster.get(job, [])
+        if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+            raise ValueError(f'{ENV_TF_CONFIG}: cluster["{job}"] must be a list of "host:port" strings, got {members!r}')
+        jobs[job] = members
+    if len(jobs["chief"]) > 1:
+        raise ValueError(f'{ENV_TF_CONFIG}: cluster["chief"] must have at most one address, got {jobs["chief"]!r}')
+    addresses = tuple(jobs["chief"] + jobs["worker"])
+    if not addresses:
+        raise ValueError(f'{ENV_TF_CONFIG}: cluster has no "chief" or "worker" addresses: {text[:200]!r}')
+    task = config.get("task")
+    if not isinstance(task, dict):
+        raise ValueError(f'{ENV_TF_CONFIG} must have a "task" object like {{"type": "worker", "index": 0}}')
+    kind, index = task.get("type"), task.get("index", 0)
+    if kind not in ("chief", "worker"):
+        raise ValueError(
+            f'{ENV_TF_CONFIG}: task type {kind!r} takes no part in collectives; expected "chief" or "worker"'
+        )
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(jobs[kind]):
+        raise ValueError(
+            f'{ENV_TF_CONFIG}: task index {index!r} is not a valid index into cluster["{kind}"] '
+            f"({len(jobs[kind])} addresses)"
+        )
+    rank = index if kind == "chief" else len(jobs["chief"]) + index
+    return rank, addresses
+
+
+def _read_pem(environ: Mapping[str, str], name: str) -> bytes | None:
+    path = environ.get(name)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as error:
+        raise ValueError(f"{name}={path!r}: cannot read the PEM file ({error.strerror})") from None
+
+
+def load_config(environ: Mapping[str, str] | None = None) -> ClusterConfig:
+    """Read the cluster description from the environment (see the module docstring).
+
+    Raises:
+        ValueError: a variable is missing or malformed; the message names it and what was expected.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(ENV_ADDRESSES) or env.get(ENV_RANK) or env.get(ENV_WORLD_SIZE):
+        rank, addresses = _from_collectives_variables(env)
+    elif env.get(ENV_TF_CONFIG):
+        rank, addresses = parse_tf_config(env[ENV_TF_CONFIG])
+    else:
+        raise ValueError(
+            f"no cluster description: set {ENV_RANK}, {ENV_WORLD_SIZE} and {ENV_ADDRESSES} "
+            f"(or {ENV_TF_CONFIG}) for the grpc backend"
+        )
+    for index, address in enumerate(addresses):
+        split_address(address, what=f"address of rank {index}")
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"the cluster lists an address twice: {', '.join(addresses)}")
+
+    secret_text = env.get(ENV_SECRET)
+    secret = secret_text.encode() if secret_text else None
+
+    cert, key = _read_pem(env, ENV_TLS_CERT), _read_pem(env, ENV_TLS_KEY)
+    if (cert is None) != (key is None):
+        raise ValueError(f"TLS needs both {ENV_TLS_CERT} and {ENV_TLS_KEY} (PEM files); only one is set")
+    ca = _read_pem(env, ENV_TLS_CA)
+    tls = None
+    if cert is not None and key is not None:
+        tls = TlsFiles(cert, key, ca, env.get(ENV_TLS_SERVER_NAME) or None)
+    elif ca is not None:
+        raise ValueError(f"{ENV_TLS_CA} is set but {ENV_TLS_CERT}/{ENV_TLS_KEY} are not; set all three for TLS")
+
+    per_node_text = env.get(ENV_RANKS_PER_NODE)
+    if per_node_text:
+        host = f"node{rank // _int_variable(env, ENV_RANKS_PER_NODE, minimum=1)}"
+    else:
+        host = node_name(addresses[rank])
+    return ClusterConfig(rank=rank, addresses=addresses, host=host, secret=secret, tls=tls)
+
+
+def node_name(address: str) -> str:
+    """The node identity of a rank listening on `address` (see the module docstring)."""
+    host, _ = split_address(address, what="address")
+    return socket.gethostname() if is_local_host(host) else host.lower()
+
+
+# -- wire format ------------------------------------------------------------------------------------
+
+FRAME_MAGIC = b"CF"
+FRAME_VERSION = 1
+FLAG_FIRST = 1
+"""The frame starts a message: it carries the header and the total payload size."""
+FLAG_LAST = 2
+"""The frame ends a message."""
+PREFIX = struct.Struct("<2sBBqQI")
+"""magic, version, flags, tag, total payload bytes of the message, header bytes in this frame."""
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = 1 << 40
+"""Larger claims are refused as malformed (nothing is allocated from a claim anyway)."""
+MAX_TAG = 1 << 62
+
+
+class FrameError(ValueError):
+    """A frame that does not follow the wire format; the stream that carried it is refused."""
+
+
+def encode_prefix(flags: int, tag: int, total: int, header_len: int) -> bytes:
+    return PREFIX.pack(FRAME_MAGIC, FRAME_VERSION, flags, tag, total, header_len)
+
+
+def decode_frame(frame: bytes) -> tuple[int, int, int, bytes, memoryview]:
+    """(flags, tag, total, header, payload view) of one frame; FrameError if malformed."""
+    if not isinstance(frame, bytes) or len(frame) < PREFIX.size:
+        raise FrameError(f"frame of {len(frame) if isinstance(frame, bytes) else '?'} bytes is shorter than its {PREFIX.size}-byte prefix")
+    magic, version, flags, tag, total, header_len = PREFIX.unpack_from(frame)
+    if magic != FRAME_MAGIC or version != FRAME_VERSION:
+        raise FrameError(f"bad frame magic/version {magic!r}/{version}")
+    if flags & ~(FLAG_FIRST | FLAG_LAST):
+        raise FrameError(f"unknown frame flags {flags:#x}")
+    if not 0 <= tag < MAX_TAG:
+        raise FrameError(f"tag {tag} out of range")
+    if total > MAX_MESSAGE_BYTES:
+        raise FrameError(f"message size {total} exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    if header_len > MAX_HEADER_BYTES or (header_len and not flags & FLAG_FIRST):
+        raise FrameError(f"bad header length {header_len}")
+    end = PREFIX.size + header_len
+    if end > len(frame):
+        raise FrameError(f"header of {header_len} bytes runs past the {len(frame)}-byte frame")
+    view = memoryview(frame)
+    if len(frame) - end > total:
+        raise FrameError(f"frame carries {len(frame) - end} payload bytes, more than the message's {total}")
+    return flags, tag, total, bytes(view[PREFIX.size : end]), view[end:]

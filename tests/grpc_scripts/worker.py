@@ -1,0 +1,221 @@
+"""One rank of a gRPC test world: ``python worker.py SCENARIO...`` (started by `grpc_world.World`).
+
+Builds ``Communicator(GrpcTransport.from_environment())`` from the COLLECTIVES_* variables and
+runs the named scenarios in order. Each scenario checks its own results (every rank can rebuild
+every rank's input) and prints ``RESULT {json}`` lines for the test to inspect; the process exits
+non-zero, with the traceback, on the first failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+
+from backends.errors import CollectiveError  # noqa: E402
+from backends.grpc import GrpcTransport  # noqa: E402
+from collectives import Communicator  # noqa: E402
+
+ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
+COMBOS = (("float32", "sum"), ("float64", "max"), ("float16", "mean"), ("int32", "sum"), ("float32", "mean"), ("int32", "max"))
+TOLERANCE = {"float16": 4e-3, "float32": 2e-6, "float64": 1e-13}
+
+
+def emit(**fields: object) -> None:
+    print("RESULT " + json.dumps(fields), flush=True)
+
+
+def rank_input(rank: int, count: int, dtype: str, op: str, case: int) -> np.ndarray:
+    rng = np.random.default_rng([rank, count, case, len(dtype), len(op)])
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-1000, 1000, size=count).astype(dtype)
+    return rng.uniform(-1, 1, size=count).astype(dtype)
+
+
+def expected(size: int, count: int, dtype: str, op: str, case: int) -> np.ndarray:
+    stack = np.stack([rank_input(r, count, dtype, op, case).astype(np.float64) for r in range(size)])
+    return {"sum": stack.sum(0), "max": stack.max(0), "mean": stack.mean(0)}[op]
+
+
+def check_close(result: np.ndarray, reference: np.ndarray, dtype: str, size: int, what: str) -> None:
+    assert result.dtype == np.dtype(dtype), f"{what}: dtype {result.dtype}"
+    if np.dtype(dtype).kind == "i":
+        assert np.array_equal(result.astype(np.float64), reference), f"{what}: wrong integers"
+        return
+    scale = TOLERANCE[dtype] * size
+    bad = ~np.isclose(result.astype(np.float64), reference, rtol=scale, atol=scale)
+    assert not bad.any(), f"{what}: {int(bad.sum())} wrong, first at {int(np.argmax(bad))}"
+
+
+def check_identical(comm: Communicator, result: np.ndarray, what: str) -> None:
+    digest = np.frombuffer(hashlib.sha256(result.tobytes()).digest(), dtype=np.uint8)
+    digests = comm.allgather(digest).reshape(comm.size, -1)
+    assert all(np.array_equal(row, digest) for row in digests), f"{what}: ranks hold different bits"
+
+
+def scenario_matrix(comm: Communicator) -> None:
+    """Every algorithm x counts (0, 1, p+1, 100_003) x rotating (dtype, op) combos."""
+    p = comm.size
+    algorithms = os.environ.get("WORKER_ALGORITHMS", ",".join(ALGORITHMS)).split(",")
+    case = 0
+    for algorithm in algorithms:
+        for count in (0, 1, p + 1, 100_003):
+            for dtype, op in COMBOS[: 4 if count > 1000 else len(COMBOS)]:
+                case += 1
+                x = rank_input(comm.rank, count, dtype, op, case)
+                result = comm.allreduce(x, op=op, algorithm=algorithm)
+                what = f"{algorithm} count={count} {dtype} {op}"
+                check_close(result, expected(p, count, dtype, op, case), dtype, p, what)
+                check_identical(comm, result, what)
+    emit(scenario="matrix", cases=case, nodes=comm.topology.num_nodes)
+
+
+def scenario_collectives(comm: Communicator) -> None:
+    p, r = comm.size, comm.rank
+    rows = 2 * p + 1
+    x = np.stack([rank_input(q, 3 * rows, "float32", "sum", 99).reshape(rows, 3) for q in range(p)])
+    mine = comm.reduce_scatter(x[r], op="sum")
+    total = x.astype(np.float64).sum(0)
+    base, extra = divmod(rows, p)
+    start = r * base + min(r, extra)
+    stop = start + base + (1 if r < extra else 0)
+    check_close(mine, total[start:stop], "float32", p, "reduce_scatter")
+    gathered = comm.allgather(np.full((2, 2), r, dtype=np.int32))
+    assert np.array_equal(gathered, np.repeat(np.arange(p, dtype=np.int32), 2)[:, None].repeat(2, 1)), "allgather"
+    root = p - 1
+    payload = np.arange(100_003, dtype=np.float64) * (r + 1)
+    got = comm.broadcast(payload, root=root)
+    assert np.array_equal(got, np.arange(100_003, dtype=np.float64) * (root + 1)), "broadcast"
+    for _ in range(3):
+        comm.barrier()
+    emit(scenario="collectives")
+
+
+def scenario_allreduce(comm: Communicator) -> None:
+    x = np.full(10_001, comm.rank + 1, dtype=np.float32)
+    result = comm.allreduce(x, algorithm="ring")
+    assert np.all(result == comm.size * (comm.size + 1) / 2), "allreduce"
+    emit(scenario="allreduce")
+
+
+def scenario_mismatch(comm: Communicator) -> None:
+    count = 1000 + (1 if comm.rank == 1 else 0)
+    start = time.monotonic()
+    try:
+        # A rank may still be finishing the barrier when the others, past it, find the mismatch:
+        # it then learns of it there.
+        comm.barrier()
+        comm.allreduce(np.ones(count, np.float32), algorithm="ring")
+    except CollectiveError as error:
+        emit(scenario="mismatch", error=type(error).__name__, message=str(error), seconds=time.monotonic() - start)
+        return
+    emit(scenario="mismatch", error=None, seconds=time.monotonic() - start)
+
+
+def scenario_kill(comm: Communicator) -> None:
+    """The last rank SIGKILLs itself in the middle of a stream of large all-reduces."""
+    comm.barrier()
+    x = np.ones(4 * 1024 * 1024, np.float32)
+    if comm.rank == comm.size - 1:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 60:
+            comm.allreduce(x, algorithm="ring")
+    except CollectiveError as error:
+        emit(scenario="kill", error=type(error).__name__, message=str(error), seconds=time.monotonic() - start)
+        return
+    emit(scenario="kill", error=None, seconds=time.monotonic() - start)
+
+
+def _intrude(target: str, secret: str | None) -> dict[str, str]:
+    """Call the peer's server as a stranger would; return the status code of each attempt."""
+    import grpc
+
+    from backends.grpc import RANK_METADATA_KEY, SECRET_METADATA_KEY, SIZE_METADATA_KEY
+
+    identity = lambda data: data  # noqa: E731
+    codes: dict[str, str] = {}
+    with grpc.insecure_channel(target) as channel:
+        ping = channel.unary_unary("/collectives.Transport/Ping", request_serializer=identity, response_deserializer=identity)
+        stream = channel.stream_unary("/collectives.Transport/Stream", request_serializer=identity, response_deserializer=identity)
+        abort = channel.unary_unary("/collectives.Transport/Abort", request_serializer=identity, response_deserializer=identity)
+        unknown = channel.unary_unary("/collectives.Transport/Nope", request_serializer=identity, response_deserializer=identity)
+
+        def attempt(name: str, call, request, metadata) -> None:
+            try:
+                call(request, metadata=metadata, timeout=5)
+                codes[name] = "OK"
+            except grpc.RpcError as error:
+                codes[name] = error.code().name
+
+        good = ((SECRET_METADATA_KEY, (secret or "").encode()),)
+        attempt("ping_no_secret", ping, b"{}", ())
+        attempt("ping_wrong_secret", ping, b"{}", ((SECRET_METADATA_KEY, b"wrong"),))
+        attempt("stream_no_secret", stream, iter([b"garbage"]), ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")))
+        attempt("abort_wrong_secret", abort, b'{"origin": 0, "kind": "lost", "text": "x"}', ((SECRET_METADATA_KEY, b"nope"),))
+        if secret is not None:
+            attempt("stream_bad_rank", stream, iter([b"garbage"]), good + ((RANK_METADATA_KEY, "abc"), (SIZE_METADATA_KEY, "2")))
+            attempt("stream_rank_out_of_range", stream, iter([b"garbage"]), good + ((RANK_METADATA_KEY, "99"), (SIZE_METADATA_KEY, "2")))
+            attempt("stream_duplicate_rank", stream, iter([b"\x00" * 100]), good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")))
+            attempt("abort_garbage", abort, b"\xff\xfe not json", good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")))
+            attempt("ping_oversized", ping, b"x" * (17 * 1024 * 1024), good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")))
+            attempt("unknown_method", unknown, b"", good)
+    host, port = target.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:  # not even HTTP/2
+        raw.sendall(b"\x00\xffGET / HTTP/1.1\r\n\r\n" + os.urandom(4096))
+        try:
+            raw.recv(100)
+        except OSError:
+            pass
+    return codes
+
+
+def scenario_intruders(comm: Communicator) -> None:
+    """Rank 0 plays a stranger against rank 1's server; then the real ranks still work."""
+    comm.barrier()
+    if comm.rank == 0:
+        addresses = os.environ["COLLECTIVES_ADDRESSES"].split(",")
+        emit(scenario="intruders", codes=_intrude(addresses[1], os.environ.get("COLLECTIVES_SECRET")))
+    comm.barrier()
+    scenario_allreduce(comm)
+    scenario_collectives(comm)
+
+
+SCENARIOS = {
+    "matrix": scenario_matrix,
+    "collectives": scenario_collectives,
+    "allreduce": scenario_allreduce,
+    "mismatch": scenario_mismatch,
+    "kill": scenario_kill,
+    "intruders": scenario_intruders,
+}
+
+
+def main(names: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("collectives").setLevel(logging.CRITICAL)
+    timeout = float(os.environ.get("WORKER_TIMEOUT", "30"))
+    start = time.monotonic()
+    transport = GrpcTransport.from_environment(startup_timeout=float(os.environ.get("WORKER_STARTUP_TIMEOUT", "30")))
+    emit(scenario="startup", seconds=time.monotonic() - start, host=transport.host)
+    comm = Communicator(transport, timeout=timeout)
+    for name in names:
+        SCENARIOS[name](comm)
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

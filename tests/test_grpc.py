@@ -1,0 +1,816 @@
+"""The gRPC transport: configuration, the point-to-point contract, failures, security, real worlds.
+
+Three layers of tests:
+
+* configuration and wire-format parsing (pure Python: run even without grpcio);
+* the transport contract with several ranks' transports in this process, each in its own thread
+  (real servers and channels on 127.0.0.1, no process start-up cost);
+* real worlds of 2-4 processes (`grpc_scripts/grpc_world.py` starts them on free loopback ports, in
+  their own sessions, and kills exactly those process groups whatever happens), running
+  `grpc_scripts/worker.py` scenarios that check their own results.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from backends import _grpc_config as wire
+from backends.errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    MismatchError,
+    PeerLostError,
+)
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "grpc_scripts"))
+
+from grpc_world import World, free_ports  # noqa: E402
+
+HAVE_GRPC = importlib.util.find_spec("grpc") is not None
+requires_grpc = pytest.mark.skipif(not HAVE_GRPC, reason="grpcio is not installed (pip install -e '.[grpc]')")
+WORKER = HERE / "grpc_scripts" / "worker.py"
+H = b"test header"
+
+
+# -- configuration (no grpcio needed) ---------------------------------------------------------------
+
+
+def env_for(rank: int, size: int, **extra: str) -> dict[str, str]:
+    addresses = ",".join(f"127.0.0.1:{5000 + r}" for r in range(size))
+    return {"COLLECTIVES_RANK": str(rank), "COLLECTIVES_WORLD_SIZE": str(size), "COLLECTIVES_ADDRESSES": addresses, **extra}
+
+
+def test_collectives_variables() -> None:
+    config = wire.load_config(env_for(2, 3, COLLECTIVES_SECRET="s"))
+    assert (config.rank, config.size, config.secret) == (2, 3, b"s")
+    assert config.addresses == ("127.0.0.1:5000", "127.0.0.1:5001", "127.0.0.1:5002")
+    assert config.host == socket.gethostname()  # loopback means "this machine"
+    assert config.tls is None
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({}, ["COLLECTIVES_RANK", "TF_CONFIG"]),
+        ({k: v for k, v in env_for(0, 2).items() if k != "COLLECTIVES_RANK"}, ["COLLECTIVES_RANK", "not set"]),
+        (env_for(2, 2), ["COLLECTIVES_RANK=2", "outside"]),
+        ({**env_for(0, 2), "COLLECTIVES_RANK": "zero"}, ["COLLECTIVES_RANK", "integer"]),
+        ({**env_for(0, 3), "COLLECTIVES_ADDRESSES": "a:1,b:2"}, ["COLLECTIVES_ADDRESSES", "3", "got 2"]),
+        ({**env_for(0, 2), "COLLECTIVES_ADDRESSES": "a:1,b"}, ["rank 1", "host:port"]),
+        ({**env_for(0, 2), "COLLECTIVES_ADDRESSES": "a:1,b:70000"}, ["rank 1", "1..65535"]),
+        ({**env_for(0, 2), "COLLECTIVES_ADDRESSES": "a:1,a:1"}, ["twice"]),
+        ({**env_for(0, 2), "COLLECTIVES_RANKS_PER_NODE": "0"}, ["COLLECTIVES_RANKS_PER_NODE", ">= 1"]),
+        ({**env_for(0, 2), "COLLECTIVES_TLS_CERT": "/nonexistent.pem"}, ["COLLECTIVES_TLS_CERT", "/nonexistent.pem"]),
+    ],
+)
+def test_bad_configuration_names_the_variable(env: dict[str, str], words: list[str]) -> None:
+    with pytest.raises(ValueError) as caught:
+        wire.load_config(env)
+    for word in words:
+        assert word in str(caught.value), str(caught.value)
+
+
+def test_ranks_per_node_and_host_names() -> None:
+    assert [wire.load_config(env_for(r, 4, COLLECTIVES_RANKS_PER_NODE="2")).host for r in range(4)] == [
+        "node0", "node0", "node1", "node1"
+    ]
+    env = {"COLLECTIVES_RANK": "1", "COLLECTIVES_WORLD_SIZE": "2", "COLLECTIVES_ADDRESSES": "Alpha:1,beta.svc:2"}
+    assert wire.load_config(env).host == "beta.svc"
+    assert wire.node_name("[::1]:5") == wire.node_name("0.0.0.0:5") == socket.gethostname()
+    assert wire.split_address("[fe80::1]:80", what="x") == ("fe80::1", 80)
+    with pytest.raises(ValueError, match="brackets"):
+        wire.split_address("fe80::1:80", what="x")
+
+
+def tf_config(cluster: dict[str, Any], task: dict[str, Any]) -> dict[str, str]:
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": task})}
+
+
+def test_tf_config_workers_and_chief() -> None:
+    workers = ["w0:2222", "w1:2222", "w2:2222"]
+    config = wire.load_config(tf_config({"worker": workers}, {"type": "worker", "index": 2}))
+    assert (config.rank, config.addresses, config.host) == (2, tuple(workers), "w2")
+    both = {"chief": ["c:1"], "worker": workers, "ps": ["p:1"]}
+    assert wire.load_config(tf_config(both, {"type": "chief", "index": 0})).rank == 0
+    config = wire.load_config(tf_config(both, {"type": "worker", "index": 0}))
+    assert (config.rank, config.size) == (1, 4)
+    assert config.addresses[0] == "c:1"
+
+
+def test_collectives_variables_take_precedence_over_tf_config() -> None:
+    env = {**tf_config({"worker": ["a:1", "b:1"]}, {"type": "worker", "index": 1}), **env_for(0, 3)}
+    assert (wire.load_config(env).rank, wire.load_config(env).size) == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("{not json", ["TF_CONFIG", "JSON"]),
+        (json.dumps({"task": {"type": "worker"}}), ["cluster"]),
+        (json.dumps({"cluster": {"worker": ["a:1"]}}), ["task"]),
+        (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}}), ["'ps'", "chief"]),
+        (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}), ["index 3"]),
+        (json.dumps({"cluster": {"worker": "a:1"}, "task": {"type": "worker", "index": 0}}), ["list"]),
+        (json.dumps({"cluster": {"ps": ["a:1"]}, "task": {"type": "worker", "index": 0}}), ["no \"chief\" or \"worker\""]),
+    ],
+)
+def test_bad_tf_config(text: str, words: list[str]) -> None:
+    with pytest.raises(ValueError) as caught:
+        wire.load_config({"TF_CONFIG": text})
+    for word in words:
+        assert word in str(caught.value), str(caught.value)
+
+
+def test_tls_needs_certificate_and_key(tmp_path: Path) -> None:
+    cert = tmp_path / "cert.pem"
+    cert.write_bytes(b"-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(ValueError, match="COLLECTIVES_TLS_KEY"):
+        wire.load_config(env_for(0, 2, COLLECTIVES_TLS_CERT=str(cert)))
+    with pytest.raises(ValueError, match="COLLECTIVES_TLS_CA"):
+        wire.load_config(env_for(0, 2, COLLECTIVES_TLS_CA=str(cert)))
+    config = wire.load_config(env_for(0, 2, COLLECTIVES_TLS_CERT=str(cert), COLLECTIVES_TLS_KEY=str(cert)))
+    assert config.tls is not None and config.tls.ca is None
+
+
+@pytest.mark.parametrize(
+    "frame, words",
+    [
+        (b"", "shorter"),
+        (b"\x00" * 100, "magic"),
+        (wire.PREFIX.pack(b"CF", 1, 8, 0, 0, 0), "flags"),
+        (wire.PREFIX.pack(b"CF", 1, 3, 0, 1 << 50, 0), "limit"),
+        (wire.PREFIX.pack(b"CF", 1, 3, 0, 10, 500) + b"x" * 10, "runs past"),
+        (wire.PREFIX.pack(b"CF", 1, 2, 0, 10, 4) + b"x" * 10, "header length"),
+        (wire.PREFIX.pack(b"CF", 1, 3, 0, 2, 0) + b"x" * 10, "more than"),
+        (wire.PREFIX.pack(b"CF", 1, 3, -5, 2, 0), "tag"),
+    ],
+)
+def test_malformed_frames_are_rejected_by_the_parser(frame: bytes, words: str) -> None:
+    with pytest.raises(wire.FrameError, match=words):
+        wire.decode_frame(frame)
+
+
+def test_frame_round_trip() -> None:
+    frame = wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, 7, 3, 2) + b"hd" + b"abc"
+    flags, tag, total, header, payload = wire.decode_frame(frame)
+    assert (flags, tag, total, header, bytes(payload)) == (3, 7, 3, b"hd", b"abc")
+
+
+@requires_grpc
+def test_transport_argument_checks() -> None:
+    from backends.grpc import GrpcTransport
+
+    with pytest.raises(ValueError, match="rank must be in 0..1"):
+        GrpcTransport(2, ["127.0.0.1:1", "127.0.0.1:2"])
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        GrpcTransport(0, ["127.0.0.1:1"], chunk_bytes=0)
+    with pytest.raises(ValueError, match="host:port"):
+        GrpcTransport(0, ["localhost"])
+    with pytest.raises(ValueError, match="COLLECTIVES_GRPC_CHUNK_BYTES"):
+        GrpcTransport.from_environment({**env_for(0, 1), "COLLECTIVES_GRPC_CHUNK_BYTES": "lots"})
+
+
+@requires_grpc
+def test_world_of_one() -> None:
+    """A single rank needs no peers: it binds, talks to itself, closes."""
+    from backends.grpc import GrpcTransport
+
+    transport = GrpcTransport.from_environment({**env_for(0, 1), "COLLECTIVES_ADDRESSES": f"127.0.0.1:{free_ports(1)[0]}"})
+    try:
+        out = np.zeros(3)
+        transport.isend(np.ones(3), 0, 0, H).wait(5)
+        transport.irecv(out, 0, 0, H).wait(5)
+        assert np.all(out == 1)
+    finally:
+        transport.close()
+
+
+def test_import_without_grpcio() -> None:
+    """`import backends.grpc` works without grpcio; using it says which extra to install."""
+    code = (
+        "import sys; sys.modules['grpc'] = None\n"
+        "import backends.grpc as g\n"
+        "from backends.errors import BackendUnavailableError\n"
+        "try:\n    g.GrpcTransport(0, ['127.0.0.1:1'])\n"
+        "except BackendUnavailableError as e:\n    print('UNAVAILABLE', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=HERE.parent)
+    assert "UNAVAILABLE" in out.stdout and "pip install -e '.[grpc]'" in out.stdout, out.stdout + out.stderr
+    assert issubclass(BackendUnavailableError, ImportError)
+
+
+# -- the contract, in-process ------------------------------------------------------------------------
+
+
+def make_world(size: int, **options: Any) -> list[Any]:
+    """`size` transports of one world in this process (constructed concurrently: each waits for all)."""
+    try:
+        return _make_world(size, **options)
+    except OSError:  # a port picked as free was taken meanwhile: once more with new ports
+        return _make_world(size, **options)
+
+
+def _make_world(size: int, **options: Any) -> list[Any]:
+    from backends.grpc import GrpcTransport
+
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(size)]
+    transports: list[Any] = [None] * size
+    errors: list[BaseException] = []
+    options.setdefault("startup_timeout", 20)
+
+    def build(rank: int) -> None:
+        try:
+            transports[rank] = GrpcTransport(rank, addresses, **options)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if errors:
+        for transport in transports:
+            if transport is not None:
+                transport.close()
+        raise errors[0]
+    return transports
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest) -> Iterator[list[Any]]:
+    params = getattr(request, "param", {})
+    transports = make_world(params.get("size", 2), **params.get("options", {"secret": b"s3cret"}))
+    yield transports
+    closers = [threading.Thread(target=t.close) for t in transports]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join(30)
+
+
+SMALL_CHUNKS = {"size": 2, "options": {"chunk_bytes": 1000}}
+"""Messages above 1000 bytes travel as several frames."""
+
+
+@requires_grpc
+def test_endpoint_is_a_transport(world: list[Any]) -> None:
+    from backends.base import Transport
+
+    a, b = world
+    assert isinstance(a, Transport)
+    assert (a.rank, a.size, b.rank, b.size) == (0, 2, 1, 2)
+    assert a.host == b.host == socket.gethostname()
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [{}, SMALL_CHUNKS], indirect=True, ids=["one_frame", "many_frames"])
+@pytest.mark.parametrize("receive_first", [False, True])
+@pytest.mark.parametrize("count", [0, 1, 1001, 50_000])
+def test_send_and_receive(world: list[Any], receive_first: bool, count: int) -> None:
+    """Payloads arrive intact whichever side posts first; the receiver holds a copy."""
+    a, b = world
+    payload = np.random.default_rng(count).standard_normal(count)
+    out = np.full(count, np.nan)
+    if receive_first:
+        recv = b.irecv(out, 0, 3, H)
+        assert not recv.test()
+        send = a.isend(payload, 1, 3, H)
+    else:
+        send = a.isend(payload, 1, 3, H)
+        time.sleep(0.05)
+        recv = b.irecv(out, 0, 3, H)
+    recv.wait(10)
+    send.wait(10)
+    assert send.test() and recv.test()
+    np.testing.assert_array_equal(out, payload)
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [SMALL_CHUNKS], indirect=True)
+@pytest.mark.parametrize("receive_first", [False, True])
+def test_non_overtaking_order_per_source_and_tag(world: list[Any], receive_first: bool) -> None:
+    """Messages between one pair with one tag match in posting order; other tags never mix in."""
+    a, b = world
+    sizes = [3000, 1, 700, 0, 2500, 10]
+    outs = [np.zeros(n, np.int64) for n in sizes]
+    other = np.zeros(5, np.int64)
+
+    def post_receives() -> list:
+        requests = [b.irecv(out, 0, 5, H) for out in outs]
+        return requests + [b.irecv(other, 0, 6, H)]
+
+    def post_sends() -> list:
+        requests = [a.isend(np.full(5, -1, np.int64), 1, 6, H)]
+        return requests + [a.isend(np.full(n, index, np.int64), 1, 5, H) for index, n in enumerate(sizes)]
+
+    if receive_first:
+        receives = post_receives()
+        sends = post_sends()
+    else:
+        sends = post_sends()
+        time.sleep(0.1)
+        receives = post_receives()
+    for request in receives + sends:
+        request.wait(10)
+    for index, out in enumerate(outs):
+        assert np.all(out == index), (index, out[:5])
+    assert np.all(other == -1)
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [{}, SMALL_CHUNKS], indirect=True, ids=["one_frame", "many_frames"])
+@pytest.mark.parametrize("receive_first", [False, True])
+def test_receive_reduce_hands_over_the_message(world: list[Any], receive_first: bool) -> None:
+    a, b = world
+    payload = np.arange(4000, dtype=np.float32)
+    acc = np.ones(4000, np.float32)
+
+    def consume(message: np.ndarray) -> None:
+        np.add(acc, message, out=acc)
+
+    if receive_first:
+        recv = b.irecv_reduce(np.empty_like(payload), 0, 1, H, consume)
+        a.isend(payload, 1, 1, H).wait(10)
+    else:
+        a.isend(payload, 1, 1, H).wait(10)
+        time.sleep(0.05)
+        recv = b.irecv_reduce(np.empty_like(payload), 0, 1, H, consume)
+    recv.wait(10)
+    np.testing.assert_array_equal(acc, payload + 1)
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [{"size": 3, "options": {"chunk_bytes": 4096}}], indirect=True)
+@pytest.mark.parametrize("fused", [False, True])
+def test_communicator_over_in_process_transports(world: list[Any], fused: bool) -> None:
+    """All-reduce end to end, with and without the (implemented, off by default) fused receive."""
+    from collectives import Communicator
+
+    results: list[Any] = [None] * 3
+
+    def rank_main(transport: Any) -> None:
+        transport.fuses_receive_reduce = fused
+        comm = Communicator(transport, timeout=20, segment_bytes=3000)
+        x = np.arange(10_007, dtype=np.float64) * (transport.rank + 1)
+        results[transport.rank] = [comm.allreduce(x, algorithm=a) for a in ("ring", "tree", "reference")]
+
+    threads = [threading.Thread(target=rank_main, args=(t,)) for t in world]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    expected = np.arange(10_007, dtype=np.float64) * 6
+    for per_rank in results:
+        assert per_rank is not None
+        for result in per_rank:
+            np.testing.assert_array_equal(result, expected)
+
+
+@requires_grpc
+def test_failing_reduction_fails_only_the_receive(world: list[Any]) -> None:
+    a, b = world
+
+    def explode(message: np.ndarray) -> None:
+        raise RuntimeError("boom")
+
+    recv = b.irecv_reduce(np.empty(3), 0, 1, H, explode)
+    a.isend(np.ones(3), 1, 1, H).wait(10)
+    with pytest.raises(PeerLostError, match="boom"):
+        recv.wait(10)
+    out = np.zeros(3)
+    recv = b.irecv(out, 0, 2, H)
+    a.isend(np.ones(3), 1, 2, H)
+    recv.wait(10)
+    assert np.all(out == 1)
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [{}, SMALL_CHUNKS], indirect=True, ids=["one_frame", "many_frames"])
+@pytest.mark.parametrize("receive_first", [False, True])
+def test_header_mismatch_names_both_sides(world: list[Any], receive_first: bool) -> None:
+    a, b = world
+    data = np.ones(2000)
+    if receive_first:
+        recv = b.irecv(np.zeros(2000), 0, 4, b"allreduce shape=(3,)")
+        a.isend(data, 1, 4, b"allreduce shape=(4,)")
+    else:
+        a.isend(data, 1, 4, b"allreduce shape=(4,)")
+        time.sleep(0.05)
+        recv = b.irecv(np.zeros(2000), 0, 4, b"allreduce shape=(3,)")
+    with pytest.raises(MismatchError) as caught:
+        recv.wait(10)
+    assert str(caught.value) == "rank 1 expected from rank 0: allreduce shape=(3,); rank 0 sent: allreduce shape=(4,)"
+    # The transport keeps working on other tags.
+    out = np.zeros(2)
+    recv = b.irecv(out, 0, 5, H)
+    a.isend(np.full(2, 7.0), 1, 5, H)
+    recv.wait(10)
+    assert np.all(out == 7)
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [{}, SMALL_CHUNKS], indirect=True, ids=["one_frame", "many_frames"])
+def test_size_mismatch_is_a_mismatch_error(world: list[Any]) -> None:
+    a, b = world
+    recv = b.irecv(np.zeros(1000, np.float32), 0, 4, H)
+    a.isend(np.zeros(1001, np.float32), 1, 4, H)
+    with pytest.raises(MismatchError, match="rank 1 expected 4000 bytes from rank 0 .*sent 4004 bytes"):
+        recv.wait(10)
+
+
+@requires_grpc
+def test_wait_honours_its_timeout_and_test_does_not_block(world: list[Any]) -> None:
+    a, b = world
+    recv = b.irecv(np.zeros(3), 0, 9, H)
+    start = time.monotonic()
+    assert not recv.test()
+    with pytest.raises(TimeoutError) as caught:
+        recv.wait(0.2)
+    assert not isinstance(caught.value, CollectiveError)
+    assert 0.15 < time.monotonic() - start < 2
+    a.isend(np.ones(3), 1, 9, H)
+    recv.wait(10)  # still pending after the timeout, completes normally
+
+
+@requires_grpc
+def test_messages_to_self(world: list[Any]) -> None:
+    a, _ = world
+    out = np.zeros(4)
+    send = a.isend(np.arange(4.0), 0, 1, H)
+    recv = a.irecv(out, 0, 1, H)
+    send.wait(5)
+    recv.wait(5)
+    np.testing.assert_array_equal(out, np.arange(4.0))
+
+
+@requires_grpc
+def test_bad_arguments(world: list[Any]) -> None:
+    a, _ = world
+    with pytest.raises(ValueError, match="outside the world"):
+        a.isend(np.zeros(1), 2, 0, H)
+    with pytest.raises(ValueError, match="1-D"):
+        a.isend(np.zeros((2, 2)), 1, 0, H)
+    with pytest.raises(TypeError):
+        a.isend([1, 2], 1, 0, H)
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [{"size": 3, "options": {}}], indirect=True)
+@pytest.mark.parametrize("error, kind", [(MismatchError("shapes differ"), MismatchError), (RuntimeError("user bug"), PeerLostError)])
+def test_abort_reaches_every_peer(world: list[Any], error: BaseException, kind: type) -> None:
+    a, b, c = world
+    pending_b = b.irecv(np.zeros(1), 2, 0, H)
+    pending_c = c.irecv(np.zeros(1), 1, 0, H)
+    own = a.irecv(np.zeros(1), 1, 0, H)
+    a.abort(error)
+    for request, rank in ((pending_b, 1), (pending_c, 2), (own, 0)):
+        with pytest.raises(kind) as caught:
+            request.wait(5)
+        assert str(error) in str(caught.value)
+        if rank != 0:
+            assert "rank 0" in str(caught.value)
+    with pytest.raises(kind):  # later posts fail at once
+        b.isend(np.zeros(1), 2, 1, H).wait(0)
+    a.abort(RuntimeError("second"))  # idempotent
+
+
+@requires_grpc
+def test_close_fails_pending_requests_on_both_sides(world: list[Any]) -> None:
+    a, b = world
+    on_b = b.irecv(np.zeros(1), 0, 0, H)
+    on_a = a.irecv(np.zeros(1), 1, 0, H)
+    start = time.monotonic()
+    a.close()
+    with pytest.raises(PeerLostError, match="closed"):
+        on_a.wait(5)
+    with pytest.raises(PeerLostError, match="peer rank 0 .*closed its transport"):
+        on_b.wait(5)
+    assert time.monotonic() - start < 5
+    with pytest.raises(PeerLostError):
+        a.isend(np.zeros(1), 1, 0, H).wait(0)
+    with pytest.raises(PeerLostError):
+        b.isend(np.zeros(1), 0, 0, H).wait(5)
+
+
+@requires_grpc
+def test_close_flushes_what_was_sent(world: list[Any]) -> None:
+    """A rank may close right after its sends complete: the data still arrives."""
+    a, b = world
+    data = np.random.default_rng(1).standard_normal(300_000)
+    a.isend(data, 1, 0, H).wait(10)
+    a.close()
+    out = np.zeros_like(data)
+    b.irecv(out, 0, 0, H).wait(10)
+    np.testing.assert_array_equal(out, data)
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [{"size": 2, "options": {"chunk_bytes": 1000, "max_unmatched_bytes": 5000}}], indirect=True)
+def test_backpressure_keeps_order_and_data(world: list[Any]) -> None:
+    """Past the unmatched-data budget the receiver stops reading; nothing is lost or reordered."""
+    a, b = world
+    messages = [np.full(3000, index, np.uint8) for index in range(10)]
+    sends = [a.isend(m, 1, 0, H) for m in messages]
+    time.sleep(0.3)
+    assert b._unmatched_bytes[0] <= 5000 + 3000
+    outs = [np.zeros(3000, np.uint8) for _ in messages]
+    for out in outs:
+        b.irecv(out, 0, 0, H).wait(10)
+    for request in sends:
+        request.wait(10)
+    assert [int(out[0]) for out in outs] == list(range(10))
+    assert all(np.all(out == out[0]) for out in outs)
+
+
+@requires_grpc
+def test_startup_timeout_names_the_missing_ranks() -> None:
+    from backends.grpc import GrpcTransport
+
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(3)]
+    start = time.monotonic()
+    with pytest.raises(PeerLostError) as caught:
+        GrpcTransport(0, addresses, startup_timeout=1.0)
+    assert time.monotonic() - start < 5
+    message = str(caught.value)
+    assert f"rank 1 at {addresses[1]}" in message and f"rank 2 at {addresses[2]}" in message
+    assert "start-up timeout of 1 s" in message
+
+
+@requires_grpc
+def test_wrong_secret_refuses_to_join() -> None:
+    from backends.grpc import GrpcTransport
+
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    errors: list[BaseException] = []
+
+    def build(rank: int) -> None:
+        try:
+            GrpcTransport(rank, addresses, secret=f"secret{rank}", startup_timeout=5).close()
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    # The first rank refused says so; the other may instead find that rank gone already.
+    assert len(errors) == 2 and all(isinstance(e, PeerLostError) for e in errors), errors
+    assert any("refused to join: UNAUTHENTICATED" in str(e) for e in errors), errors
+
+
+@requires_grpc
+def test_binds_only_its_own_address(world: list[Any]) -> None:
+    from backends.grpc import GrpcTransport
+
+    a, _ = world
+    port = int(a.addresses[0].rsplit(":", 1)[1])
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.2", port), timeout=2).close()
+    with pytest.raises(OSError, match=a.addresses[0]):
+        GrpcTransport(0, [a.addresses[0], "127.0.0.1:1"], startup_timeout=1)
+
+
+class FakeRank:
+    """A stranger with the secret, listed as the last rank: answers pings, then sends garbage."""
+
+    def __init__(self, address: str, rank: int, size: int, secret: bytes) -> None:
+        import grpc
+        from concurrent import futures
+
+        from backends import grpc as transport
+
+        self.grpc, self.transport_module = grpc, transport
+        self.rank, self.size, self.secret = rank, size, secret
+        identity = lambda data: data  # noqa: E731
+
+        def ping(request: bytes, context: Any) -> bytes:
+            return json.dumps({"rank": rank, "size": size}).encode()
+
+        def drain(frames: Iterator[bytes], context: Any) -> bytes:
+            for _ in frames:
+                pass
+            return b""
+
+        handlers = {
+            "Ping": grpc.unary_unary_rpc_method_handler(ping, identity, identity),
+            "Stream": grpc.stream_unary_rpc_method_handler(drain, identity, identity),
+            "Abort": grpc.unary_unary_rpc_method_handler(lambda r, c: b"", identity, identity),
+        }
+        self.server = grpc.server(futures.ThreadPoolExecutor(8), handlers=[grpc.method_handlers_generic_handler(transport.SERVICE, handlers)])
+        self.server.add_insecure_port(address)
+        self.server.start()
+
+    def send_frames(self, target: str, frames: list[bytes]) -> str:
+        grpc, module = self.grpc, self.transport_module
+        metadata = (
+            (module.SECRET_METADATA_KEY, self.secret),
+            (module.RANK_METADATA_KEY, str(self.rank)),
+            (module.SIZE_METADATA_KEY, str(self.size)),
+        )
+        with grpc.insecure_channel(target) as channel:
+            stream = channel.stream_unary("/collectives.Transport/Stream", request_serializer=lambda d: d, response_deserializer=lambda d: d)
+            try:
+                stream(iter(frames), metadata=metadata, timeout=10)
+                return "OK"
+            except grpc.RpcError as error:
+                return error.code().name
+
+
+@requires_grpc
+def test_malformed_frames_are_refused_and_the_real_ranks_carry_on(caplog: pytest.LogCaptureFixture) -> None:
+    """Ranks 0 and 1 are real; rank 2 is a fake that sends malformed frames to rank 0."""
+    from backends.grpc import GrpcTransport
+
+    secret = b"k"
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(3)]
+    fake = FakeRank(addresses[2], 2, 3, secret)
+    transports: list[Any] = [None, None]
+
+    def build(rank: int) -> None:
+        transports[rank] = GrpcTransport(rank, addresses, secret=secret, startup_timeout=20)
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    a, b = transports
+    try:
+        # The fake never opened its stream to rank 0, so rank 0 takes garbage claiming to be rank 2.
+        first = wire.encode_prefix(wire.FLAG_FIRST, 1, 10_000, 1) + b"h" + b"x" * 10
+        garbage = [
+            [os.urandom(64)],
+            [wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, 1, 1 << 45, 0)],  # claims 32 TiB
+            [wire.encode_prefix(wire.FLAG_LAST, 1, 3, 0) + b"abc"],  # continuation without a start
+            [first, wire.encode_prefix(wire.FLAG_LAST, 2, 10_000, 0) + b"y" * 9990],  # another tag
+            [first, wire.encode_prefix(wire.FLAG_LAST, 1, 10_000, 0) + b"y" * 20],  # short message
+        ]
+        with caplog.at_level(logging.WARNING, logger="backends.grpc"):
+            codes = [fake.send_frames(addresses[0], frames) for frames in garbage]
+        assert codes == ["INVALID_ARGUMENT"] * len(garbage), codes
+        assert "malformed frame" in caplog.text
+        # A claimed 32 TiB message allocated nothing and rank 0 still talks to rank 1.
+        out = np.zeros(100_000)
+        recv = a.irecv(out, 1, 8, H)
+        b.isend(np.arange(100_000.0), 0, 8, H)
+        recv.wait(10)
+        np.testing.assert_array_equal(out, np.arange(100_000.0))
+    finally:
+        for transport in transports:
+            transport.close()
+        fake.server.stop(0)
+
+
+def make_certificates(directory: Path) -> dict[str, str]:
+    """A CA and a certificate for 127.0.0.1 signed by it (openssl CLI)."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60, cwd=directory)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
+    (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
+    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "node.pem", "-days", "1", "-extfile", "ext.cnf")
+    return {
+        "COLLECTIVES_TLS_CERT": str(directory / "node.pem"),
+        "COLLECTIVES_TLS_KEY": str(directory / "node.key"),
+        "COLLECTIVES_TLS_CA": str(directory / "ca.pem"),
+    }
+
+
+@requires_grpc
+@pytest.mark.skipif(not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(os.pathsep)), reason="needs the openssl CLI")
+def test_tls_world_and_plaintext_refused(tmp_path: Path) -> None:
+    import grpc
+
+    tls_env = make_certificates(tmp_path)
+    config = wire.load_config(env_for(0, 2, **tls_env))
+    transports = make_world(2, tls=config.tls, secret="s")
+    a, b = transports
+    try:
+        out = np.zeros(5000)
+        recv = b.irecv(out, 0, 0, H)
+        a.isend(np.ones(5000), 1, 0, H)
+        recv.wait(10)
+        assert np.all(out == 1)
+        with grpc.insecure_channel(a.addresses[0]) as channel:
+            ping = channel.unary_unary("/collectives.Transport/Ping")
+            with pytest.raises(grpc.RpcError):
+                ping(b"{}", timeout=3)
+    finally:
+        for transport in transports:
+            transport.close()
+
+
+# -- real worlds of processes ------------------------------------------------------------------------
+
+
+def results(world: World) -> list[dict[str, dict[str, Any]]]:
+    """Per rank: {scenario: its RESULT fields}."""
+    parsed = []
+    for output in world.outputs:
+        lines = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+        parsed.append({fields["scenario"]: fields for fields in lines})
+    return parsed
+
+
+def run_world(size: int, scenarios: list[str], *, limit: float = 90, **options: Any) -> World:
+    """Run a world to completion; all ranks must exit 0. Retried once if a port picked as free
+    was taken by another program before its rank could bind it."""
+    for attempt in range(2):
+        with World(WORKER, size, scenarios, **options) as world:
+            codes = world.wait(limit)
+        if attempt == 0 and any("cannot listen on" in output for output in world.outputs):
+            continue
+        break
+    assert codes == [0] * size, world.report()
+    return world
+
+
+@requires_grpc
+def test_two_processes_every_algorithm_and_collective() -> None:
+    world = run_world(2, ["matrix", "collectives"])
+    for rank_results in results(world):
+        assert rank_results["matrix"]["cases"] > 80 and rank_results["matrix"]["nodes"] == 1
+        assert "collectives" in rank_results
+
+
+@requires_grpc
+def test_four_processes_on_two_emulated_nodes() -> None:
+    world = run_world(4, ["matrix", "collectives"], env={"COLLECTIVES_RANKS_PER_NODE": "2"}, limit=120)
+    per_rank = results(world)
+    assert [r["startup"]["host"] for r in per_rank] == ["node0", "node0", "node1", "node1"]
+    assert all(r["matrix"]["nodes"] == 2 and "collectives" in r for r in per_rank)
+
+
+@requires_grpc
+def test_world_described_by_tf_config() -> None:
+    world = run_world(3, ["allreduce"], tf_config=True)
+    assert all("allreduce" in r for r in results(world))
+
+
+@requires_grpc
+def test_mismatch_reaches_every_rank_within_seconds() -> None:
+    world = run_world(3, ["mismatch"], env={"WORKER_TIMEOUT": "30"})
+    for rank, r in enumerate(results(world)):
+        outcome = r["mismatch"]
+        assert outcome["error"] == "MismatchError", (rank, outcome)
+        assert "shape=(1000,)" in outcome["message"] and "shape=(1001,)" in outcome["message"], outcome
+        assert outcome["seconds"] < 5, outcome
+
+
+@requires_grpc
+def test_killed_rank_makes_survivors_fail_promptly() -> None:
+    timeout = 10.0
+    with World(WORKER, 3, ["kill"], env={"WORKER_TIMEOUT": str(timeout)}) as world:
+        codes = world.wait(timeout + 40)
+    assert codes[2] == -9, world.report()
+    assert codes[:2] == [0, 0], world.report()
+    for r in results(world)[:2]:
+        outcome = r["kill"]
+        assert outcome["error"] in ("PeerLostError", "CollectiveTimeoutError"), outcome
+        assert outcome["seconds"] < timeout + 5, outcome
+        assert "rank 2" in outcome["message"], outcome
+
+
+@requires_grpc
+def test_strangers_are_refused_and_the_world_still_works() -> None:
+    world = run_world(2, ["intruders"])
+    per_rank = results(world)
+    codes = per_rank[0]["intruders"]["codes"]
+    assert {k: v for k, v in codes.items() if "secret" in k} == {
+        "ping_no_secret": "UNAUTHENTICATED",
+        "ping_wrong_secret": "UNAUTHENTICATED",
+        "stream_no_secret": "UNAUTHENTICATED",
+        "abort_wrong_secret": "UNAUTHENTICATED",
+    }
+    assert codes["stream_bad_rank"] == codes["stream_rank_out_of_range"] == codes["abort_garbage"] == "INVALID_ARGUMENT"
+    assert codes["stream_duplicate_rank"] == "FAILED_PRECONDITION"
+    assert codes["ping_oversized"] == "RESOURCE_EXHAUSTED"
+    assert codes["unknown_method"] == "UNIMPLEMENTED"
+    warnings = [line for line in world.outputs[1].splitlines() if "refused a call from ipv4:127.0.0.1:" in line]
+    assert warnings and "COLLECTIVES_SECRET" in warnings[0], world.outputs[1]
+    assert all("allreduce" in r and "collectives" in r for r in per_rank)
+
+
+@requires_grpc
+def test_late_starting_rank_is_waited_for() -> None:
+    world = run_world(2, ["allreduce"], delays={1: 2.0})
+    per_rank = results(world)
+    assert per_rank[0]["startup"]["seconds"] > 1.5
+    assert all("allreduce" in r for r in per_rank)

@@ -1,0 +1,70 @@
+"""The shared collective bodies (`bodies.py`) in real processes, started the way users start them:
+`python -m collectives.launch` (gRPC) and `mpiexec` (MPI), each rank calling `collectives.init()`.
+
+Every launch is bounded by a timeout; on expiry the process group this test started (and only
+that one) is killed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUN_BODY = str(Path(__file__).with_name("run_body.py"))
+LAUNCH_TIMEOUT = 240
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def run_job(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a job in its own process group; kill that group if it outlives the timeout."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, **(env or {})},
+    )
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"job did not finish within {LAUNCH_TIMEOUT} s:\n{output}")
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def assert_every_rank_passed(result: subprocess.CompletedProcess, ranks: int, bodies: list[str]) -> None:
+    assert result.returncode == 0, result.stdout
+    for rank in range(ranks):
+        for body in bodies:
+            assert f"rank {rank}: {body} ok" in result.stdout, result.stdout
+
+
+BODY_SETS = [
+    pytest.param(2, None, ["allreduce_every_algorithm", "other_collectives"], id="p2"),
+    pytest.param(4, 2, ["allreduce_every_algorithm", "other_collectives"], id="p4-2-per-node"),
+    pytest.param(3, None, ["shape_mismatch"], id="p3-mismatch"),
+]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[grpc])")
+@pytest.mark.parametrize(("ranks", "per_node", "bodies"), BODY_SETS)
+def test_bodies_over_grpc_with_the_launcher(ranks: int, per_node: int | None, bodies: list[str]) -> None:
+    command = [sys.executable, "-m", "collectives.launch", "-n", str(ranks)]
+    if per_node:
+        command += ["--ranks-per-node", str(per_node)]
+    assert_every_rank_passed(run_job([*command, RUN_BODY, *bodies]), ranks, bodies)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or not os.access(MPIEXEC, os.X_OK),
+    reason="mpi4py / mpiexec not installed (.[mpi])",
+)
+@pytest.mark.parametrize(("ranks", "per_node", "bodies"), BODY_SETS)
+def test_bodies_over_mpi_with_mpiexec(ranks: int, per_node: int | None, bodies: list[str]) -> None:
+    env = {"COLLECTIVES_RANKS_PER_NODE": str(per_node)} if per_node else None
+    command = [MPIEXEC, "-n", str(ranks), sys.executable, RUN_BODY, *bodies]
+    assert_every_rank_passed(run_job(command, env), ranks, bodies)
