@@ -81,11 +81,16 @@ class Transport(abc.ABC):
 
     has_native_allreduce: bool = False
     """Whether `native_allreduce` is available."""
+    native_dtypes: tuple[np.dtype, ...] = ()
+    """The dtypes `native_allreduce` can reduce."""
 
-    def native_allreduce(self, src: Buffer, dst: Buffer, op: str) -> None:
+    def native_allreduce(self, src: Buffer, dst: Buffer, op: str, timeout: float | None = None) -> None:
         """The engine's own all-reduce of `src` into `dst` (op: sum, max, min or prod).
 
         Only for backends with `has_native_allreduce`; `src` may be `dst`.
+
+        Raises:
+            TimeoutError: it did not complete within `timeout` seconds.
         """
         raise NotImplementedError(f"{type(self).__name__} has no native all-reduce")
 

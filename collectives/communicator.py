@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from backends.base import Transport
-from backends.errors import CommunicatorBrokenError
+from backends.errors import CollectiveTimeoutError, CommunicatorBrokenError
 
 from ._version import __version__
 from .barrier import dissemination_barrier
@@ -165,6 +165,11 @@ class Communicator:
         return (*ALLREDUCE_ALGORITHMS, *native)
 
     @property
+    def native_dtypes(self) -> tuple[np.dtype, ...]:
+        """The dtypes algorithm="native" accepts on this backend (none if it has no native one)."""
+        return self._transport.native_dtypes
+
+    @property
     def broken(self) -> bool:
         return self._broken is not None
 
@@ -199,6 +204,9 @@ class Communicator:
         src = _as_array(x)
         check_reduction(op, src.dtype)
         chosen = self._choose_allreduce(algorithm, src.nbytes)
+        if chosen == NATIVE and src.dtype not in self._transport.native_dtypes:
+            supported = ", ".join(str(d) for d in self._transport.native_dtypes)
+            raise TypeError(f"algorithm 'native' cannot reduce {src.dtype} on this backend; it supports {supported}")
         self.last_algorithm = chosen
         result, target = _output(out, src.shape, src.dtype)
         flat = _flat(src)
@@ -208,7 +216,15 @@ class Communicator:
 
         def run(group: Group) -> np.ndarray:
             if chosen == NATIVE:
-                self._transport.native_allreduce(flat, target, "sum" if op is ReduceOp.MEAN else op.value)
+                native_op = "sum" if op is ReduceOp.MEAN else op.value
+                try:
+                    self._transport.native_allreduce(flat, target, native_op, timeout=max(group.deadline - time.monotonic(), 0.0))
+                except TimeoutError:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: native all-reduce did not complete within {self.timeout:g} s "
+                        f"({group.header.decode(errors='replace')}); a rank never arrived, or is stuck or dead",
+                        rank=self.rank, peer=-1, tag=group.tag, seconds=self.timeout,
+                    ) from None
                 finalize(op, target, self.size)
             elif chosen == "reference":
                 reference_allreduce(group, flat, target, op)

@@ -69,8 +69,8 @@ def allreduce_every_algorithm(comm: Communicator) -> None:
                 for op in OPS:
                     if op == "mean" and np.dtype(dtype).kind == "i":
                         continue
-                    if algorithm == collectives.NATIVE and dtype == "float16":
-                        continue  # MPI has no standard half-precision type
+                    if algorithm == collectives.NATIVE and np.dtype(dtype) not in comm.native_dtypes:
+                        continue
                     case += 1
                     inputs = [rank_input(rank, count, dtype, case) for rank in range(comm.size)]
                     what = f"allreduce {algorithm} count={count} {dtype} {op}"

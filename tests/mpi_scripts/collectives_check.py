@@ -1,0 +1,101 @@
+"""MPI-specific collective checks that the shared bodies (tests/bodies.py) leave out.
+
+    [COLLECTIVES_RANKS_PER_NODE=n] mpiexec -n P python collectives_check.py EXPECTED_NODES
+
+* the node layout the transport reports (hierarchical algorithms really split when emulated);
+* every algorithm, "native" (MPI_Iallreduce) included with float16, on counts 0, 1, p+1 and
+  100_003, sum/max/mean, in place and out of place, against a float64 reference, with every rank
+  holding the same bits (compared through MPI itself, not through the library under test);
+* the communicator's algorithm list offers "native";
+* one rank calling "native" while the others call "ring": MismatchError naming both everywhere,
+  within seconds (the rank inside MPI_Iallreduce learns it through the abort notice).
+
+Prints "rank R: collectives checks ok (N cases)" and exits 0, or raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from backends.mpi import MPITransport  # noqa: E402
+from collectives import NATIVE, Communicator, MismatchError  # noqa: E402
+
+ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference", NATIVE)
+DTYPES = ("float32", "float64", "float16", "int32")
+OPS = ("sum", "max", "mean")
+TOLERANCE = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}
+
+
+def rank_input(rank: int, count: int, dtype: str, case: int) -> np.ndarray:
+    rng = np.random.default_rng([rank, count, DTYPES.index(dtype), case])
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-3, 4, size=count).astype(dtype)
+    return rng.uniform(-1, 1, size=count).astype(dtype)
+
+
+def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    stacked = np.stack([x.astype(np.float64) for x in inputs])
+    return {"sum": stacked.sum, "mean": stacked.mean, "max": stacked.max}[op](axis=0)
+
+
+def main() -> int:
+    expected_nodes = int(sys.argv[1])
+    world = MPI.COMM_WORLD
+    comm = Communicator(MPITransport.from_environment(), timeout=30)
+    p = comm.size
+    assert comm.topology.num_nodes == expected_nodes, f"rank {comm.rank}: topology {comm.topology}"
+    assert NATIVE in comm.algorithms, comm.algorithms
+    cases = 0
+    for algorithm in ALGORITHMS:
+        for count in (0, 1, p + 1, 100_003):
+            for dtype in DTYPES:
+                for op in OPS:
+                    if op == "mean" and dtype == "int32":
+                        continue
+                    cases += 1
+                    inputs = [rank_input(r, count, dtype, cases) for r in range(p)]
+                    what = f"{algorithm} count={count} {dtype} {op}"
+                    in_place = cases % 2 == 0
+                    mine = inputs[comm.rank].copy()
+                    result = comm.allreduce(mine, op=op, algorithm=algorithm, out=mine if in_place else None)
+                    assert comm.last_algorithm == algorithm
+                    if in_place:
+                        assert result is mine, f"{what}: out= ignored"
+                    else:
+                        np.testing.assert_array_equal(mine, inputs[comm.rank], err_msg=f"{what}: input modified")
+                    expected = reference(inputs, op)
+                    if dtype == "int32":
+                        np.testing.assert_array_equal(result, expected.astype(dtype), err_msg=what)
+                    else:
+                        tol = TOLERANCE[dtype] * p
+                        np.testing.assert_allclose(
+                            result.astype(np.float64), expected, rtol=tol, atol=tol, err_msg=what
+                        )
+                    digests = world.allgather(hashlib.sha256(result.tobytes()).hexdigest())
+                    assert len(set(digests)) == 1, f"{what}: ranks hold different bits"
+    comm.close()
+
+    comm = Communicator(MPITransport.from_environment(), timeout=30)
+    start = time.monotonic()
+    try:
+        comm.allreduce(np.ones(1000, np.float32), algorithm=NATIVE if comm.rank == 0 else "ring")
+    except MismatchError as error:
+        assert "algorithm=native" in str(error) and "algorithm=ring" in str(error), str(error)
+    else:
+        raise AssertionError(f"rank {comm.rank}: native on rank 0 against ring elsewhere did not fail")
+    assert time.monotonic() - start < 5, f"rank {comm.rank}: mismatch noticed after {time.monotonic() - start:.1f} s"
+    comm.close()
+    print(f"rank {world.rank}: collectives checks ok ({cases} cases)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The last rank SIGKILLs itself in the middle of a stream of all-reduces.
+
+    mpiexec [-disable-auto-cleanup] -n 3 python kill_peer.py TIMEOUT_SECONDS OUTPUT_DIR
+
+Every rank that sees a collective fail writes "NAME seconds message" to OUTPUT_DIR/rank{R}.txt
+(a file, because hydra may kill the job before forwarded output is flushed) and exits 3; a rank
+whose collectives never fail writes "finished" (which must not happen).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+
+from backends.mpi import MPITransport  # noqa: E402
+from collectives import CollectiveError, Communicator  # noqa: E402
+
+
+def main() -> int:
+    timeout = float(sys.argv[1])
+    output = Path(sys.argv[2])
+    comm = Communicator(MPITransport.from_environment(), timeout=timeout)
+    report = output / f"rank{comm.rank}.txt"
+    victim = comm.size - 1
+    x = np.ones(1 << 20, np.float32)
+    for _ in range(3):
+        comm.allreduce(x)
+    if comm.rank == victim:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 4 * timeout + 30:
+            comm.allreduce(x, algorithm="ring")
+    except CollectiveError as error:
+        report.write_text(f"{type(error).__name__} {time.monotonic() - start:.3f} {error}\n")
+        print(f"rank {comm.rank}: raised {type(error).__name__}: {error}", flush=True)
+        comm.close()
+        return 3
+    report.write_text("finished\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Checks of `MPITransport` itself (below the communicator), on exactly 2 ranks.
+
+    mpiexec -n 2 python transport_check.py
+
+Each check builds fresh transports (a failed one is never reused), runs on both ranks and raises
+AssertionError on a wrong outcome; every rank prints "rank R: CHECK ok" per check and
+"rank R: all N transport checks ok" at the end, and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from backends import mpi as mpi_backend  # noqa: E402
+from backends.errors import CollectiveError, MismatchError, PeerLostError  # noqa: E402
+from backends.mpi import INLINE_BYTES, MAX_HEADER_BYTES, MPITransport  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+H = b"allreduce algorithm=ring dtype=float32 shape=(4, 3) op=sum"
+SIZES = (0, 1, 7, INLINE_BYTES // 4, INLINE_BYTES // 4 + 1, 100_003)
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint8", "bool", "complex64")
+
+
+def payload(count: int, dtype: str, seed: int) -> np.ndarray:
+    values = np.random.default_rng([count, seed, DTYPES.index(dtype)]).uniform(-100, 100, count)
+    return values.astype(dtype)
+
+
+def expect_error(request, kind: type, *fragments: str, timeout: float = 10.0) -> CollectiveError:
+    try:
+        request.wait(timeout)
+    except kind as error:
+        for fragment in fragments:
+            assert fragment in str(error), f"{fragment!r} not in {str(error)!r}"
+        return error
+    raise AssertionError(f"no {kind.__name__} (expected one mentioning {fragments})")
+
+
+def check_roundtrip_every_dtype_and_size() -> None:
+    """Both ranks send to each other at once; payloads arrive bit-exact (float16 included)."""
+    t = MPITransport(WORLD)
+    other = 1 - t.rank
+    for dtype in DTYPES:
+        for count in SIZES:
+            mine = payload(count, dtype, t.rank)
+            inbox = np.empty(count, dtype)
+            receive = t.irecv(inbox, other, 5, H)
+            send = t.isend(mine, other, 5, H)
+            receive.wait(10)
+            send.wait(10)
+            assert receive.test() and send.test()
+            expected = payload(count, dtype, other)
+            assert inbox.tobytes() == expected.tobytes(), f"{dtype}[{count}] corrupted"
+    t.close()
+
+
+def check_pipelined_stream_on_one_tag() -> None:
+    """Receives posted ahead on one (source, tag), small and large interleaved, match in order."""
+    t = MPITransport(WORLD)
+    counts = [3, 200_000, 0, 5000, 1, 70_000, 1024, 2048, 9, 300_000]
+    if t.rank == 0:
+        sends = [t.isend(np.full(n, i, np.float32), 1, 77, H) for i, n in enumerate(counts)]
+        for send in sends:
+            send.wait(10)
+    else:
+        boxes = [np.empty(n, np.float32) for n in counts]
+        receives = [t.irecv(box, 0, 77, H) for box in boxes]
+        for i, (receive, box) in enumerate(zip(receives, boxes, strict=True)):
+            receive.wait(10)
+            assert np.all(box == i), f"message {i} landed out of order"
+    t.close()
+
+
+def check_large_and_wrapped_tags() -> None:
+    """Library tags beyond MPI.TAG_UB work (they are mapped into MPI's range)."""
+    t = MPITransport(WORLD)
+    other = 1 - t.rank
+    for tag in (0, 63, WORLD.Get_attr(MPI.TAG_UB), (1 << 30) - 1, (1 << 30) + 5, (1 << 40) + 7):
+        out, inbox = np.array([tag % 1000], np.int64), np.empty(1, np.int64)
+        receive = t.irecv(inbox, other, tag, H)
+        t.isend(out, other, tag, H).wait(10)
+        receive.wait(10)
+        assert inbox[0] == tag % 1000
+    t.close()
+
+
+def check_header_mismatch_names_both() -> None:
+    """A different header fails the receive with MismatchError naming both, for small and large."""
+    for count in (5, 100_003):
+        t = MPITransport(WORLD)
+        if t.rank == 0:
+            send = t.isend(np.zeros(count, np.float32), 1, 9, b"allreduce shape=(3, 4)")
+        else:
+            receive = t.irecv(np.empty(count, np.float32), 0, 9, b"allreduce shape=(4, 3)")
+            error = expect_error(receive, MismatchError)
+            expected = "rank 1 expected from rank 0: allreduce shape=(4, 3); rank 0 sent: allreduce shape=(3, 4)"
+            assert str(error) == expected, f"{error} != {expected}"
+            t.abort(error)
+        if t.rank == 0:  # the sender learns through the abort notice (or its eager send completed)
+            try:
+                send.wait(10)
+            except MismatchError as error:
+                assert "reported to rank 0 by rank 1" in str(error), str(error)
+        t.close()
+        WORLD.Barrier()
+
+
+def check_size_mismatch_is_a_mismatch() -> None:
+    """Payload sizes that differ are a MismatchError saying both sizes, in every format pairing."""
+    for sent, expected in ((10, 12), (100_000, 90_000), (10, 100_000), (100_000, 10), (0, 1)):
+        t = MPITransport(WORLD)
+        if t.rank == 0:
+            send = t.isend(np.zeros(sent, np.uint8), 1, 11, H)
+        else:
+            receive = t.irecv(np.empty(expected, np.uint8), 0, 11, H)
+            error = expect_error(receive, MismatchError)
+            message = f"rank 1 expected {expected} bytes from rank 0 (tag 11), rank 0 sent {sent} bytes"
+            assert str(error) == message, f"{error} != {message}"
+            t.abort(error)
+        if t.rank == 0:
+            try:
+                send.wait(10)
+            except MismatchError:
+                pass
+        t.close()
+        WORLD.Barrier()
+
+
+def check_abort_reaches_the_peer_at_once() -> None:
+    """abort() on one rank fails the other's pending receive at once, and both ranks' later posts."""
+    t = MPITransport(WORLD)
+    if t.rank == 0:
+        receive = t.irecv(np.empty(10, np.float32), 1, 3, H)
+        start = time.monotonic()
+        expect_error(receive, PeerLostError, "rank 0: peer rank 1 aborted: boom")
+        assert time.monotonic() - start < 5
+        later = t.isend(np.zeros(3), 1, 4, H)
+        assert later.test()
+        expect_error(later, PeerLostError, "peer rank 1 aborted: boom")
+    else:
+        time.sleep(0.2)  # rank 0 is waiting by now
+        t.abort(RuntimeError("boom"))
+        expect_error(t.irecv(np.empty(3), 0, 4, H), PeerLostError, "boom")
+    t.close()
+    WORLD.Barrier()
+    t = MPITransport(WORLD)  # a mismatch travels as a mismatch
+    if t.rank == 1:
+        t.abort(MismatchError("rank 1 expected X; rank 0 sent: Y"))
+    else:
+        expect_error(t.irecv(np.empty(1), 1, 3, H), MismatchError, "expected X", "reported to rank 0 by rank 1")
+    t.close()
+    assert mpi_backend._LOST is None, "an abort without a lost peer must not end the job at exit"
+    WORLD.Barrier()
+
+
+def check_timeout_leaves_the_request_pending() -> None:
+    """wait(timeout) raises TimeoutError on time; the request then still completes."""
+    t = MPITransport(WORLD)
+    if t.rank == 1:
+        inbox = np.empty(100_003, np.float32)
+        receive = t.irecv(inbox, 0, 8, H)
+        for timeout in (0.0, 0.2):
+            start = time.monotonic()
+            try:
+                receive.wait(timeout)
+            except TimeoutError:
+                elapsed = time.monotonic() - start
+                assert timeout <= elapsed < timeout + 1.0, f"wait({timeout}) took {elapsed:.3f} s"
+            else:
+                raise AssertionError("no TimeoutError")
+        assert not receive.test()
+        WORLD.Barrier()
+        receive.wait(10)
+        assert np.all(inbox == 1)
+    else:
+        WORLD.Barrier()
+        t.isend(np.ones(100_003, np.float32), 1, 8, H).wait(10)
+    t.close()
+
+
+def check_close_fails_pending_and_later_posts() -> None:
+    t = MPITransport(WORLD)
+    pending = t.irecv(np.empty(10), 1 - t.rank, 1, H)
+    t.close()
+    expect_error(pending, PeerLostError, "closed")
+    expect_error(t.isend(np.zeros(1), 1 - t.rank, 1, H), PeerLostError, "closed")
+    t.close()  # idempotent
+    WORLD.Barrier()
+
+
+def check_argument_errors() -> None:
+    t = MPITransport(WORLD)
+    cases = [
+        (ValueError, lambda: t.isend(np.zeros(1), 0, 1, b"x" * (MAX_HEADER_BYTES + 1))),
+        (TypeError, lambda: t.isend(np.zeros(1), 0, 1, "text")),
+        (ValueError, lambda: t.isend(np.zeros(1), 2, 1, H)),
+        (ValueError, lambda: t.irecv(np.zeros(1), -1, 1, H)),
+        (ValueError, lambda: t.isend(np.zeros((2, 2)), 0, 1, H)),
+        (ValueError, lambda: t.irecv(np.zeros(4)[::2], 0, 1, H)),
+        (TypeError, lambda: t.isend([1.0], 0, 1, H)),
+        (ValueError, lambda: t.irecv(np.frombuffer(b"abcd", np.uint8), 0, 1, H)),
+        (TypeError, lambda: t.native_allreduce(np.zeros(3, np.uint8), np.zeros(3, np.uint8), "sum")),
+        (ValueError, lambda: t.native_allreduce(np.zeros(3), np.zeros(3), "mean")),
+        (ValueError, lambda: t.native_allreduce(np.zeros(3), np.zeros(4), "sum")),
+    ]
+    for kind, call in cases:
+        try:
+            call()
+        except kind:
+            continue
+        raise AssertionError(f"no {kind.__name__}")
+    t.close()
+
+
+def check_native_allreduce() -> None:
+    t = MPITransport(WORLD)
+    assert set(t.native_dtypes) == {np.dtype(d) for d in ("float16", "float32", "float64", "int32", "int64")}
+    for dtype in ("float16", "float32", "float64", "int32", "int64"):
+        for op, reduce in (("sum", np.sum), ("max", np.max), ("min", np.min), ("prod", np.prod)):
+            inputs = [(np.arange(11) % 3 + 1 + r).astype(dtype) for r in range(t.size)]
+            expected = reduce(np.stack(inputs).astype(np.float64), axis=0)
+            out = np.empty(11, dtype)
+            t.native_allreduce(inputs[t.rank], out, op)
+            np.testing.assert_array_equal(out.astype(np.float64), expected, err_msg=f"{dtype} {op}")
+            inplace = inputs[t.rank].copy()
+            t.native_allreduce(inplace, inplace, op)
+            np.testing.assert_array_equal(inplace, out, err_msg=f"{dtype} {op} in place")
+    t.close()
+
+
+def check_native_allreduce_notices_an_abort() -> None:
+    """A rank inside MPI's all-reduce is not stuck when its peer gives up instead of joining."""
+    t = MPITransport(WORLD)
+    if t.rank == 0:
+        start = time.monotonic()
+        try:
+            t.native_allreduce(np.ones(10), np.empty(10), "sum", timeout=30)
+        except PeerLostError as error:
+            assert "peer rank 1 aborted: gave up" in str(error), str(error)
+        else:
+            raise AssertionError("no PeerLostError")
+        assert time.monotonic() - start < 5
+    else:
+        time.sleep(0.2)
+        t.abort(RuntimeError("gave up"))
+    t.close()
+    WORLD.Barrier()
+    t = MPITransport(WORLD)
+    if t.rank == 0:
+        try:
+            t.native_allreduce(np.ones(10), np.empty(10), "sum", timeout=0.3)
+        except TimeoutError:
+            pass
+        else:
+            raise AssertionError("no TimeoutError")
+        t.abort(RuntimeError("rank 0 timed out"))  # not a TimeoutError: no MPI_Abort at exit
+    t.close()
+    WORLD.Barrier()
+
+
+def check_host() -> None:
+    t = MPITransport(WORLD)
+    hosts = WORLD.allgather(t.host)
+    assert hosts[0] == hosts[1] == MPI.Get_processor_name(), hosts
+    t.close()
+    os.environ["COLLECTIVES_RANKS_PER_NODE"] = "1"
+    try:
+        t = MPITransport(WORLD)
+        assert t.host == f"node{t.rank}", t.host
+        t.close()
+    finally:
+        del os.environ["COLLECTIVES_RANKS_PER_NODE"]
+
+
+CHECKS = [value for name, value in sorted(globals().items()) if name.startswith("check_")]
+
+
+def main() -> int:
+    if WORLD.Get_size() != 2:
+        print("transport_check.py needs exactly 2 ranks", file=sys.stderr)
+        return 2
+    for check in CHECKS:
+        try:
+            check()
+        except BaseException:
+            traceback.print_exc()
+            print(f"rank {WORLD.rank}: {check.__name__} FAILED", flush=True)
+            WORLD.Abort(1)
+        WORLD.Barrier()
+        print(f"rank {WORLD.rank}: {check.__name__} ok", flush=True)
+    print(f"rank {WORLD.rank}: all {len(CHECKS)} transport checks ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

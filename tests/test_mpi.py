@@ -1,0 +1,230 @@
+"""The MPI backend in real processes: every test starts `mpiexec` on a script and checks its output.
+
+The scripts live in `tests/mpi_scripts/` (transport-level checks, MPI-specific collective checks, a
+killed peer, the benchmark) and `tests/run_body.py` runs the collective bodies shared with the other
+backends (`tests/bodies.py`). Skipped when mpi4py or mpiexec is missing. Every job runs under a hard
+timeout; a job that overstays it is killed, with every process it started, and the test fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+SCRIPTS = TESTS / "mpi_scripts"
+JOB_TIMEOUT = 120.0
+KILL_TIMEOUT = 5.0
+"""Collective timeout of the killed-peer job."""
+
+
+def _find_mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+
+
+MPIEXEC = _find_mpiexec()
+HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+needs_mpi = pytest.mark.skipif(
+    MPIEXEC is None or not HAVE_MPI4PY,
+    reason="needs mpi4py and mpiexec (pip install -e '.[mpi]')",
+)
+
+
+@dataclass
+class Job:
+    returncode: int
+    output: str
+    seconds: float
+
+
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every process below `pid` (hydra puts its proxy and ranks in sessions of their own,
+    so killing our process group alone would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_job(process: subprocess.Popen) -> None:
+    """SIGKILL the mpiexec we started, its process group, and every process it started."""
+    victims = _descendants(process.pid)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def mpirun(
+    n: int,
+    *args: str,
+    env: dict[str, str] | None = None,
+    options: tuple[str, ...] = (),
+    timeout: float = JOB_TIMEOUT,
+) -> Job:
+    """Run `mpiexec [options] -n N python ARGS...` from the repository root; fail on a hang."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_", "MPIR_CVAR_"))}
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
+    environ.update(env or {})
+    command = [MPIEXEC, *options, "-n", str(n), sys.executable, *args]
+    start = time.monotonic()
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        encoding="utf-8", errors="replace", start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_job(process)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} still running after {timeout:g} s; killed. Output:\n{output}")
+    finally:
+        if process.poll() is None:
+            _kill_job(process)
+            process.wait()
+    return Job(process.returncode, output, time.monotonic() - start)
+
+
+def assert_ok(job: Job, n: int, marker: str) -> None:
+    assert job.returncode == 0, f"exit status {job.returncode}:\n{job.output}"
+    for rank in range(n):
+        assert f"rank {rank}: {marker}" in job.output, f"rank {rank} did not report {marker!r}:\n{job.output}"
+
+
+# -- without MPI --------------------------------------------------------------------------------
+
+
+def test_missing_mpi4py_is_a_backend_unavailable_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`import backends.mpi` works without mpi4py; using it names the extra to install."""
+    import backends.mpi as mpi_backend
+    from backends.errors import BackendUnavailableError
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    monkeypatch.setattr(mpi_backend, "_MPI", None)
+    with pytest.raises(BackendUnavailableError, match=r"pip install -e '\.\[mpi\]'"):
+        mpi_backend.MPITransport.from_environment()
+
+
+# -- in processes -------------------------------------------------------------------------------
+
+
+@needs_mpi
+def test_transport_contract_over_mpi() -> None:
+    """Payloads of every dtype and size, pipelined streams, big tags, header and size mismatches
+    (with the exact wording), abort propagation, timeouts, close, native all-reduce, host."""
+    job = mpirun(2, str(SCRIPTS / "transport_check.py"))
+    assert_ok(job, 2, "all 12 transport checks ok")
+
+
+LAYOUTS = [
+    pytest.param(2, None, 1, id="2ranks-1node"),
+    pytest.param(4, "2", 2, id="4ranks-2nodes"),
+]
+
+
+@needs_mpi
+@pytest.mark.parametrize(("n", "ranks_per_node", "nodes"), LAYOUTS)
+def test_shared_bodies_over_mpi(n: int, ranks_per_node: str | None, nodes: int) -> None:
+    """Every algorithm (native included) x counts x dtypes x ops, bit-identical on all ranks, and
+    reduce_scatter, allgather, broadcast, barrier: the bodies every backend runs."""
+    env = {"COLLECTIVES_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {}
+    job = mpirun(n, str(TESTS / "run_body.py"), "allreduce_every_algorithm", "other_collectives", env=env)
+    assert_ok(job, n, "allreduce_every_algorithm ok")
+    assert_ok(job, n, "other_collectives ok")
+
+
+@needs_mpi
+@pytest.mark.parametrize(("n", "ranks_per_node", "nodes"), LAYOUTS)
+def test_mpi_specific_collectives(n: int, ranks_per_node: str | None, nodes: int) -> None:
+    """The node layout (hierarchical really splits when emulated), every algorithm including
+    native float16 on counts 0, 1, p+1, 100_003, in place and out of place."""
+    env = {"COLLECTIVES_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {}
+    job = mpirun(n, str(SCRIPTS / "collectives_check.py"), str(nodes), env=env)
+    assert_ok(job, n, "collectives checks ok")
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_shape_mismatch_fails_every_rank_quickly(n: int) -> None:
+    """One rank passes another shape: every rank raises MismatchError naming both shapes, long
+    before the collective's 30 s timeout."""
+    job = mpirun(n, str(TESTS / "run_body.py"), "shape_mismatch")
+    assert_ok(job, n, "shape_mismatch ok")
+    assert job.seconds < 20, f"took {job.seconds:.1f} s: the mismatch was not detected promptly"
+
+
+def _kill_reports(directory: Path) -> dict[int, str]:
+    return {int(path.stem.removeprefix("rank")): path.read_text() for path in directory.glob("rank*.txt")}
+
+
+@needs_mpi
+@pytest.mark.parametrize("options", [(), ("-disable-auto-cleanup",)], ids=["default", "disable-auto-cleanup"])
+def test_killed_peer_ends_the_job(options: tuple[str, ...], tmp_path: Path) -> None:
+    """A rank SIGKILLs itself mid-collective: mpiexec exits non-zero within the timeout plus a few
+    seconds. By default hydra kills the survivors at once; with -disable-auto-cleanup they usually
+    raise PeerLostError or CollectiveTimeoutError first (the module docstring of backends/mpi.py
+    says what happens when). A survivor that reports anything reports one of our errors."""
+    from backends.mpi import EXIT_GRACE_SECONDS
+
+    job = mpirun(3, str(SCRIPTS / "kill_peer.py"), str(KILL_TIMEOUT), str(tmp_path), options=options)
+    assert job.returncode != 0, f"mpiexec exited 0 although a rank was killed:\n{job.output}"
+    assert job.seconds < KILL_TIMEOUT + EXIT_GRACE_SECONDS + 15, f"took {job.seconds:.1f} s:\n{job.output}"
+    reports = _kill_reports(tmp_path)
+    assert 2 not in reports, f"the killed rank reported {reports[2]!r}"
+    for rank, report in reports.items():
+        assert report.split()[0] in ("PeerLostError", "CollectiveTimeoutError"), f"rank {rank}: {report}"
+        assert float(report.split()[1]) < KILL_TIMEOUT + 3, f"rank {rank} raised late: {report}"
+
+
+@needs_mpi
+def test_slow_peer_is_not_a_lost_peer() -> None:
+    """A rank that arrives after the others' timeout: the first to time out raises
+    CollectiveTimeoutError, the rest PeerLostError, and since nobody died the job exits normally
+    (no MPI_Abort at exit)."""
+    job = mpirun(3, str(SCRIPTS / "slow_peer.py"))
+    assert job.returncode == 0, f"exit status {job.returncode}:\n{job.output}"
+    assert "MPI_Abort" not in job.output, job.output
+    raised = dict(re.findall(r"rank (\d): raised (CollectiveTimeoutError|PeerLostError)", job.output))
+    assert sorted(raised) == ["0", "1", "2"], job.output
+    assert raised["2"] == "PeerLostError", job.output
+    assert "CollectiveTimeoutError" in (raised["0"], raised["1"]), job.output
+
+
+@needs_mpi
+def test_bench_script_runs() -> None:
+    """The ring-vs-native timing script runs end to end (tiny sizes; speed is not tested here)."""
+    job = mpirun(2, str(SCRIPTS / "bench_mpi.py"), "--sizes", "4K,64K", "--iters", "2", "--warmup", "1")
+    assert job.returncode == 0, job.output
+    assert "ring/native" in job.output, job.output
+    rows = [line.split() for line in job.output.splitlines() if line.split()[-1:] and line.split()[-1].isdigit()]
+    assert rows and all(row[-1] == "0" for row in rows), f"wrong results:\n{job.output}"
