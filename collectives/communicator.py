@@ -35,23 +35,19 @@ from backends.base import Transport
 from backends.errors import CommunicatorBrokenError
 
 from ._version import __version__
+from .allreduce import ALLREDUCE_ALGORITHMS, run_allreduce
 from .barrier import dissemination_barrier
 from .group import SUBTAGS_PER_COLLECTIVE, Group
-from .hierarchical import hierarchical_allreduce
 from .layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from .ops import ReduceOp, check_reduction, finalize
-from .reference import reference_allreduce
-from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from .ring import ring_allgather, ring_reduce_scatter
 from .topology import Topology
-from .tree import tree_allreduce, tree_broadcast
+from .tree import tree_broadcast
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds any single collective may take before it fails with `CollectiveTimeoutError`."""
-
-ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
-"""The library's all-reduce algorithms; they run on every backend."""
 
 NATIVE = "native"
 """The backend's own all-reduce (MPI_Allreduce, ncclAllReduce), where it has one."""
@@ -210,14 +206,8 @@ class Communicator:
             if chosen == NATIVE:
                 self._transport.native_allreduce(flat, target, "sum" if op is ReduceOp.MEAN else op.value)
                 finalize(op, target, self.size)
-            elif chosen == "reference":
-                reference_allreduce(group, flat, target, op)
-            elif chosen.startswith("hierarchical"):
-                inner = "tree" if chosen == "hierarchical_tree" else "ring"
-                hierarchical_allreduce(group, nodes, flat, target, op, inner=inner, segment_bytes=self.segment_bytes)
             else:
-                algorithm_function = ring_allreduce if chosen == "ring" else tree_allreduce
-                algorithm_function(group, flat, target, op, segment_bytes=self.segment_bytes)
+                run_allreduce(chosen, group, nodes, flat, target, op, segment_bytes=self.segment_bytes)
             return _copy_back(result, target)
 
         return self._submit(_header("allreduce", src, algorithm=chosen, op=op.value), run)
