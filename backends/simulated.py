@@ -202,12 +202,18 @@ class _Request:
         return self.completed
 
 
+_POSTED, _FLOWING, _ARRIVING = 0, 1, 2
+"""A message's events: it leaves its sender's port, its data reaches the shared links, it arrives."""
+
+
 class _Message:
-    __slots__ = ("send", "recv", "started", "arrived", "staged", "error")
+    __slots__ = ("send", "recv", "stage", "sent", "arrived", "staged", "error")
 
     def __init__(self, send: _Request) -> None:
         self.send = send
-        self.started = False
+        self.stage = _POSTED
+        self.sent = 0.0
+        """When the sender's port is done with it."""
         self.recv: _Request | None = None
         self.arrived = False
         self.staged: np.ndarray | None = None
@@ -236,14 +242,14 @@ class Simulator:
         self._ranks = [_Rank() for _ in range(size)]
         self._ready: list[tuple[float, int]] = [(0.0, rank) for rank in range(size)]
         self._events: list[tuple[float, int, _Message]] = []
-        """(time, posting order, message): a transfer to start (`message.started` false) or to deliver."""
+        """(time, posting order, message): the message's next step (`message.stage`)."""
         self._now = 0.0
         """Virtual time of the last event processed or rank resumed; ranks may be ahead of it."""
         self._sequence = 0
         self._unmatched: dict[tuple[int, int, int], deque] = {}
         self._pending: set[_Request] = set()
-        self._send_port = {"intra": [0.0] * size, "inter": [0.0] * size}
-        self._recv_port = {"intra": [0.0] * size, "inter": [0.0] * size}
+        self._send_port = ([0.0] * size, [0.0] * size)  # [inter-node?][rank]: free from this time
+        self._recv_port = ([0.0] * size, [0.0] * size)
         self._nic_out = [0.0] * cluster.nodes
         self._nic_in = [0.0] * cluster.nodes
         self._abort: tuple[int, str, str] | None = None
@@ -307,8 +313,10 @@ class Simulator:
             if events and (not ready or events[0][0] <= ready[0][0]):
                 time, _, message = heapq.heappop(events)
                 self._now = time
-                if message.started:
+                if message.stage == _ARRIVING:
                     self._deliver(message, time)
+                elif message.stage == _FLOWING:
+                    self._flow(message, time)
                 else:
                     self._start(message, time)
             elif ready:
@@ -338,7 +346,7 @@ class Simulator:
         """Advance `rank`'s clock by `seconds` of computation.
 
         The rank goes on running, ahead of the other ranks: what it posts from now on starts at its
-        own clock through a start event (`_post_transfer`), so links still serve messages in
+        own clock through a start event (`_start`), so links still serve messages in
         virtual-time order, and it blocks, as always, only to wait for a request.
         """
         self._ranks[rank].clock += seconds
@@ -404,9 +412,40 @@ class Simulator:
         heapq.heappush(self._events, (time, self._sequence, message))
 
     def _start(self, message: _Message, time: float) -> None:
+        """At the send's time: queue on the sender's port, which spends alpha + n/bw on it."""
         send = message.send
-        message.started = True
-        self._push(self._transfer(send.rank, send.peer, send.buf.nbytes, time), message)
+        link = self._link(send.rank, send.peer)
+        port = self._send_port[link is self.cluster.inter]
+        begin = max(time, port[send.rank])
+        port[send.rank] = message.sent = begin + link.alpha + send.buf.nbytes / link.bandwidth
+        message.stage = _FLOWING
+        self._push(begin + link.alpha, message)
+
+    def _flow(self, message: _Message, time: float) -> None:
+        """When data starts to leave the sender: pass the shared servers (NICs, receive port).
+
+        They are reserved at this event, in virtual-time order, so that a message still queued
+        behind its sender's port never holds up the messages of other ranks.
+        """
+        send = message.send
+        src, dst, nbytes = send.rank, send.peer, send.buf.nbytes
+        link = self._link(src, dst)
+        inter = link is self.cluster.inter
+        servers: list[tuple[list[float], int, float]] = []
+        if inter and self.cluster.nic_bandwidth is not None:
+            nic = nbytes / self.cluster.nic_bandwidth
+            servers += [(self._nic_out, self._node[src], nic), (self._nic_in, self._node[dst], nic)]
+        servers.append((self._recv_port[inter], dst, nbytes / link.bandwidth))
+        flowing, end = time, message.sent
+        for free, index, service in servers:
+            flowing = max(flowing, free[index])
+            free[index] = flowing + service
+            end = max(end, flowing + service)
+        message.stage = _ARRIVING
+        self._push(end, message)
+
+    def _link(self, src: int, dst: int) -> Link:
+        return self.cluster.inter if self._node[src] != self._node[dst] else self.cluster.intra
 
     def post_recv(self, rank: int, buf: Any, src: int, tag: int, header: bytes) -> _Request:
         request = self._new_request("recv", rank, src, tag, buf, header)
@@ -465,29 +504,6 @@ class Simulator:
             np.copyto(target, source)
         else:
             np.copyto(target.view(np.uint8), source.view(np.uint8))
-
-    def _transfer(self, src: int, dst: int, nbytes: int, time: float) -> float:
-        """Reserve the links from `src` to `dst` for `nbytes` from `time`; return the arrival time."""
-        cluster = self.cluster
-        inter = self._node[src] != self._node[dst]
-        link = cluster.inter if inter else cluster.intra
-        kind = "inter" if inter else "intra"
-        occupancy = nbytes / link.bandwidth
-        send_port = self._send_port[kind]
-        start = max(time, send_port[src])
-        end = start + link.alpha + occupancy
-        send_port[src] = end
-        flowing = start + link.alpha  # when data starts to leave the sender
-        servers: list[tuple[list[float], int, float]] = []
-        if inter and cluster.nic_bandwidth is not None:
-            nic = nbytes / cluster.nic_bandwidth
-            servers += [(self._nic_out, self._node[src], nic), (self._nic_in, self._node[dst], nic)]
-        servers.append((self._recv_port[kind], dst, occupancy))
-        for free, index, service in servers:
-            flowing = max(flowing, free[index])
-            free[index] = flowing + service
-            end = max(end, flowing + service)
-        return end
 
     # -- failures ----------------------------------------------------------------------------------
 
