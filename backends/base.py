@@ -20,11 +20,16 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
   callback instead of storing it, so a reduction reads the peer's data once, straight from where
   it arrives (the threads backend reads the sender's buffer). Algorithms fall back to receiving
   into scratch and reducing from there when a backend does not offer it.
+* `empty(count, dtype)` allocates a buffer of the backend's kind and `clock()` is the time that
+  collectives measure themselves with (topology probes, tuning). Both have defaults (numpy,
+  `time.perf_counter`); the simulated backend overrides them with charged or size-only buffers
+  and its virtual clock, which is how the same probe code measures a simulated cluster.
 """
 
 from __future__ import annotations
 
 import abc
+import time
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -93,6 +98,14 @@ class Transport(abc.ABC):
             TimeoutError: it did not complete within `timeout` seconds.
         """
         raise NotImplementedError(f"{type(self).__name__} has no native all-reduce")
+
+    def empty(self, count: int, dtype: Any) -> Buffer:
+        """A new buffer of `count` items that this backend can send and receive."""
+        return np.empty(count, dtype=dtype)
+
+    def clock(self) -> float:
+        """Seconds on the clock that collectives are timed with (monotonic, arbitrary origin)."""
+        return time.perf_counter()
 
     @abc.abstractmethod
     def abort(self, error: BaseException) -> None:

@@ -4,6 +4,11 @@ Prints an nccl-tests style table (size, count, type, redop, algorithm, time, alg
 Defaults: threads backend, 4 ranks on 2 emulated nodes, float32 sum, 4 KiB to 64 MiB by factors
 of 4. With `--backend mpi` or `--backend grpc` the ranks are real processes, started for you
 (through mpiexec or `collectives.launch`); rank 0 hands its results back to this process.
+
+`--explain` (after `--probe` or `--tune`, or with the default link costs) adds the cost model's
+prediction for every row and marks the algorithm auto picks, so the table shows why.
+`--backend simulated --nodes N --ranks-per-node L --intra ALPHA,GBPS --inter ALPHA,GBPS` prints
+simulated time, prediction, auto's choice and its regret on a simulated cluster (bench.simulated).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 from typing import Sequence
+
+import numpy as np
 
 from collectives import ALLREDUCE_ALGORITHMS, NATIVE, run_threads
 
@@ -53,7 +60,7 @@ def size_range(begin: int, end: int, factor: int) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("threads", "mpi", "grpc"), default="threads")
+    parser.add_argument("--backend", choices=("threads", "mpi", "grpc", "simulated"), default="threads")
     parser.add_argument("-n", "--ranks", type=int, default=None, help="number of ranks (default 4 on threads, 2 otherwise)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="emulated ranks per node (default 2 on threads)")
     parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"))
@@ -68,12 +75,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-d", "--dtype", default="float32")
     parser.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations")
     parser.add_argument("-i", "--iters", type=int, default=9, help="timed iterations")
+    parser.add_argument("--explain", action="store_true", help="add the model's prediction and auto's choice")
+    parser.add_argument("--probe", action="store_true", help="probe the links first (comm.probe())")
+    parser.add_argument("--tune", action="store_true", help="probe and tune first (comm.tune(), cached)")
+    simulated = parser.add_argument_group("simulated backend")
+    simulated.add_argument("--nodes", type=int, default=2)
+    simulated.add_argument("--intra", type=_link, default="1e-6,50", help="ALPHA_SECONDS,GB_PER_S (default 1e-6,50)")
+    simulated.add_argument("--inter", type=_link, default="10e-6,5", help="ALPHA_SECONDS,GB_PER_S (default 10e-6,5)")
+    simulated.add_argument("--nic", type=float, default=10, help="GB/s through each node's NIC (default 10)")
+    simulated.add_argument("--gamma", type=float, default=20, help="reduction GB/s (default 20)")
     parser.add_argument("--worker-output", help=argparse.SUPPRESS)  # set when started as a rank
     return parser
 
 
+def _link(text: str):
+    from backends.simulated import Link
+
+    try:
+        alpha, gbps = (float(x) for x in text.split(","))
+        return Link(alpha, gbps * 1e9)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ALPHA_SECONDS,GB_PER_S such as 1e-6,50; got {text!r}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.backend == "simulated":
+        return _simulated(args)
     algorithms = [a.strip() for a in (args.algorithms or _DEFAULT_ALGORITHMS[args.backend]).split(",") if a.strip()]
     unknown = sorted(set(algorithms) - {"auto", NATIVE, *ALLREDUCE_ALGORITHMS})
     if unknown:
@@ -85,7 +113,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = size_range(args.minbytes, args.maxbytes, args.stepfactor)
 
     def measure(comm) -> list[Measurement]:
-        return measure_allreduce(comm, sizes, algorithms, dtype=args.dtype, warmup=args.warmup, iterations=args.iters)
+        if args.tune:
+            comm.tune()
+        elif args.probe:
+            comm.probe()
+        rows = measure_allreduce(comm, sizes, algorithms, dtype=args.dtype, warmup=args.warmup, iterations=args.iters)
+        if args.explain:
+            explained = {n: comm.explain(row_bytes(n, args.dtype)) for n in sizes}
+            rows = [(row, explained[_size_of(row, sizes, args.dtype)]) for row in rows]
+        return rows
 
     if args.worker_output:
         return _run_as_rank(measure, args.worker_output)
@@ -102,8 +138,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = _run_in_processes(args.backend, ranks, per_node, sys.argv[1:] if argv is None else list(argv))
         if rows is None:
             return 1
-    print(format_table(rows))
+    if args.explain:
+        print(format_explained(rows))
+        rows = [row for row, _ in rows]
+    else:
+        print(format_table(rows))
     return 1 if any(row.wrong for row in rows) else 0
+
+
+def row_bytes(nbytes: int, dtype: str) -> int:
+    """The payload bytes of a row of `nbytes` requested (whole elements)."""
+    itemsize = np.dtype(dtype).itemsize
+    return nbytes // itemsize * itemsize
+
+
+def _size_of(row: Measurement, sizes: Sequence[int], dtype: str) -> int:
+    return next(n for n in sizes if row_bytes(n, dtype) == row.nbytes)
+
+
+def format_explained(rows) -> str:
+    """Measured time beside the model's (tuned, if tuned) prediction; `*` marks auto's pick."""
+    lines = [f"{'size':>12} {'algorithm':>18} {'measured(us)':>13} {'model(us)':>11} {'auto':>5} {'#wrong':>7}"]
+    for row, explanation in rows:
+        predicted = explanation.corrected.get(row.algorithm)
+        model = f"{predicted * 1e6:>11.1f}" if predicted is not None else f"{'-':>11}"
+        mark = explanation.choice if row.algorithm == "auto" else ("*" if row.algorithm == explanation.choice else "")
+        lines.append(f"{row.nbytes:>12} {row.algorithm:>18} {row.seconds * 1e6:>13.1f} {model} {mark:>5} {row.wrong:>7}")
+    return "\n".join(lines)
+
+
+def _simulated(args: argparse.Namespace) -> int:
+    from backends.simulated import Cluster
+
+    from .simulated import regret_table
+
+    per_node = args.ranks_per_node or 4
+    cluster = Cluster(args.nodes, per_node, args.intra, args.inter, nic_bandwidth=args.nic * 1e9, gamma=1 / (args.gamma * 1e9))
+    print(f"# all-reduce on a simulated cluster of {args.nodes} x {per_node} ranks (virtual time)")
+    table, worst = regret_table(cluster, size_range(args.minbytes, args.maxbytes, args.stepfactor))
+    print(table)
+    print(f"# max regret of auto: {worst * 100:.1f}%")
+    return 0
 
 
 def _run_as_rank(measure, output_path: str) -> int:

@@ -4,7 +4,8 @@ It owns what must be identical on every rank for collectives to be safe:
 
 * the order of operations: every call is queued to one communication thread and run in call order,
   and gets the next tag block, so the k-th collective of every rank meets the k-th of the others;
-* the algorithm choice, made from data every rank has (message size, topology);
+* the algorithm choice, made from data every rank has (message size, topology, and the link costs
+  and tuning that `probe()` and `tune()` measure and share); `explain(nbytes)` shows it;
 * the header each message carries, which turns a rank calling with another shape, dtype, op,
   root or algorithm into a `MismatchError` on every rank instead of garbage or a hang;
 * the deadline of every wait, and the broken state: after a failure the communicator tells its
@@ -23,6 +24,7 @@ import hashlib
 import itertools
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -35,29 +37,25 @@ from backends.base import Transport
 from backends.errors import CollectiveTimeoutError, CommunicatorBrokenError
 
 from ._version import __version__
+from .allreduce import ALLREDUCE_ALGORITHMS, run_allreduce
 from .barrier import dissemination_barrier
 from .group import SUBTAGS_PER_COLLECTIVE, Group
-from .hierarchical import hierarchical_allreduce
 from .layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from .ops import ReduceOp, check_reduction, finalize
-from .reference import reference_allreduce
-from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
-from .topology import Topology
-from .tree import tree_allreduce, tree_broadcast
+from .probe import probe_links
+from .ring import ring_allgather, ring_reduce_scatter
+from .selector import Explanation, Selector, Tuning
+from .topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
+from .tree import tree_broadcast
+from .tuning import TUNE_SIZES, cache_file, decode, default_cache_dir, encode, measure
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds any single collective may take before it fails with `CollectiveTimeoutError`."""
 
-ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
-"""The library's all-reduce algorithms; they run on every backend."""
-
 NATIVE = "native"
 """The backend's own all-reduce (MPI_Allreduce, ncclAllReduce), where it has one."""
-
-SMALL_MESSAGE_BYTES = 2 * 1024 * 1024
-"""Below this size `auto` prefers the latency-optimal tree to the bandwidth-optimal ring."""
 
 _HOST_RECORD_BYTES = 128
 _TAG_WRAP = 1 << 24
@@ -103,6 +101,8 @@ class Communicator:
         transport: this rank's endpoint (threads, MPI, gRPC, ...).
         timeout: seconds each collective may take before failing with `CollectiveTimeoutError`.
         segment_bytes: pipelining granularity of the algorithms.
+        autotune: run `tune()` (which reuses a cached tuning file when there is one) at the first
+            all-reduce with `algorithm="auto"`; every rank must pass the same value.
     """
 
     def __init__(
@@ -111,6 +111,7 @@ class Communicator:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        autotune: bool = False,
     ) -> None:
         if not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -130,6 +131,8 @@ class Communicator:
         self._calling_thread = threading.local()
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self.topology = Topology(self._exchange_hosts())
+        self._selector = Selector(self.topology, DEFAULT_LINK_COSTS, self.segment_bytes)
+        self._autotune_pending = autotune
         self._thread = threading.Thread(
             target=self._serve, name=f"collectives-rank{self.rank}", daemon=True
         )
@@ -163,6 +166,15 @@ class Communicator:
         """The all-reduce algorithms usable here: the library's, plus "native" if the backend has one."""
         native = (NATIVE,) if self._transport.has_native_allreduce else ()
         return (*ALLREDUCE_ALGORITHMS, *native)
+
+    def clock(self) -> float:
+        """Seconds on the clock collectives are timed with (virtual on the simulated backend)."""
+        return self._transport.clock()
+
+    @property
+    def link_costs(self) -> LinkCosts:
+        """The cost-model parameters `auto` uses: defaults until `probe()` or `tune()`."""
+        return self._selector.costs
 
     @property
     def native_dtypes(self) -> tuple[np.dtype, ...]:
@@ -226,14 +238,8 @@ class Communicator:
                         rank=self.rank, peer=-1, tag=group.tag, seconds=self.timeout,
                     ) from None
                 finalize(op, target, self.size)
-            elif chosen == "reference":
-                reference_allreduce(group, flat, target, op)
-            elif chosen.startswith("hierarchical"):
-                inner = "tree" if chosen == "hierarchical_tree" else "ring"
-                hierarchical_allreduce(group, nodes, flat, target, op, inner=inner, segment_bytes=self.segment_bytes)
             else:
-                algorithm_function = ring_allreduce if chosen == "ring" else tree_allreduce
-                algorithm_function(group, flat, target, op, segment_bytes=self.segment_bytes)
+                run_allreduce(chosen, group, nodes, flat, target, op, segment_bytes=self.segment_bytes)
             return _copy_back(result, target)
 
         return self._submit(_header("allreduce", src, algorithm=chosen, op=op.value), run)
@@ -346,6 +352,73 @@ class Communicator:
             return _done(None)
         return self._submit(b"barrier", dissemination_barrier)
 
+    # -- algorithm selection ----------------------------------------------------------------------
+
+    def explain(self, nbytes: int) -> Explanation:
+        """What `algorithm="auto"` would choose for an all-reduce of `nbytes`, and why: the predicted
+        (and, after `tune()`, corrected) time of every candidate. `print()` it for a table."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        return self._selector.explain(int(nbytes))
+
+    def probe(self) -> LinkCosts:
+        """Measure latency and bandwidth inside and across nodes, and the reduction speed, and let
+        `auto` use them. A collective: every rank calls it at the same point; all get the same
+        numbers. Takes a few milliseconds on threads, well under a second on a network."""
+        if self.size == 1:
+            return self._selector.costs
+        topology = self.topology
+        with self._blocking_call():
+            work = self._submit(b"probe links", lambda group: probe_links(group, topology))
+        costs = work.wait()
+        self._selector = Selector(self.topology, costs, self.segment_bytes)
+        return costs
+
+    def tune(
+        self,
+        sizes: tuple[int, ...] = TUNE_SIZES,
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        use_cache: bool = True,
+    ) -> Tuning:
+        """Probe, then time the model's best candidates at `sizes` and correct the model with the
+        measured/predicted ratios (a collective; see `collectives.tuning`).
+
+        The result is saved under `cache_dir` (default `$COLLECTIVES_TUNING_DIR` or
+        ~/.cache/collectives) keyed by the topology's fingerprint, and reused from there by later
+        runs with the same layout unless `use_cache=False`.
+        """
+        if self.size == 1:
+            return Tuning(())
+        fingerprint = self.topology.fingerprint(f"{type(self._transport).__name__}|segment={self.segment_bytes}|{__version__}")
+        path = cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint)
+        if use_cache and (cached := self._read_shared(path, fingerprint)) is not None:
+            costs, tuning = cached
+        else:
+            costs = self.probe()
+            tuning = measure(self, self._selector, sorted(sizes))
+            if use_cache and self.rank == 0:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                scratch = path.with_suffix(f".{os.getpid()}.tmp")
+                scratch.write_bytes(encode(costs, tuning, fingerprint))
+                scratch.replace(path)
+        self._selector = Selector(self.topology, costs, self.segment_bytes, tuning)
+        return tuning
+
+    def _read_shared(self, path: "os.PathLike", fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
+        """Rank 0's copy of a tuning file, broadcast so that every rank decodes the same bytes."""
+        data = b""
+        if self.rank == 0:
+            try:
+                data = open(path, "rb").read()
+            except OSError:
+                pass
+        length = int(self.broadcast(np.array([len(data)], dtype=np.int64))[0])
+        if length == 0:
+            return None
+        payload = np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.empty(length, dtype=np.uint8)
+        return decode(self.broadcast(payload).tobytes(), fingerprint)
+
     # -- life cycle -------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -377,9 +450,10 @@ class Communicator:
                     f"{type(self._transport).__name__} has none"
                 )
             return algorithm
-        if self.topology.is_hierarchical:
-            return "hierarchical_tree" if nbytes < SMALL_MESSAGE_BYTES else "hierarchical"
-        return "tree" if nbytes < SMALL_MESSAGE_BYTES else "ring"
+        if self._autotune_pending:
+            self._autotune_pending = False
+            self.tune()
+        return self._selector.choose(nbytes)
 
     def _unusable(self) -> CommunicatorBrokenError | None:
         """Why no new collective may start, or None."""

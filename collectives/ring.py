@@ -120,7 +120,12 @@ def ring_allreduce(
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> None:
-    """dst = op over all members of src (1-D, same length everywhere); `src` may be `dst`."""
+    """dst = op over all members of src (1-D, same length everywhere); `src` may be `dst`.
+
+    A block holds at least one segment per member: with many members a fixed block would cut
+    every step into tiny, latency-bound messages (4 MiB over 128 ranks is 32 KiB per step).
+    """
+    block_bytes = max(block_bytes, group.size * segment_bytes)
     for lo, hi in segments(0, src.size, segment_items(src.itemsize, block_bytes)):
         block_src, block_dst = src[lo:hi], dst[lo:hi]
         bounds = even_bounds(block_src.size, group.size)

@@ -1,0 +1,133 @@
+"""`Selector`: what `algorithm="auto"` resolves to, per message size.
+
+It predicts every candidate's time with the cost model (`costmodel`), multiplies each prediction by
+a measured correction if a tuning pass ran (`Tuning`), and picks the smallest. Everything it uses
+(topology, link costs, tuning) is identical on every rank (probes and tuning all-gather or
+broadcast their numbers), and the computation is deterministic, so every rank picks the same
+algorithm without talking. Should two ranks ever disagree anyway, the collective's header differs
+and the ranks get a `MismatchError`, never a wrong result.
+
+Choices are cached per exact size: after the first call of a size, `choose` is a dict lookup.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .costmodel import candidates, predict
+from .topology import LinkCosts, Topology
+
+_CACHE_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Measured/predicted time ratios of algorithms at a few sizes (from `tuning.tune`).
+
+    Between the sizes the log of the ratio is interpolated linearly in log(size); beyond them it
+    is held. An algorithm not measured at a size gets the geometric mean of the ratios measured
+    there, so the model's overall error at that size still applies to it.
+    """
+
+    sizes: tuple[int, ...]
+    ratios: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
+    """ratios[algorithm][i]: measured / predicted at sizes[i], None where not measured."""
+
+    def correction(self, algorithm: str, nbytes: int) -> float:
+        """The factor to multiply the model's prediction for `algorithm` at `nbytes` by."""
+        if not self.sizes:
+            return 1.0
+        logs = [self._log_ratio(algorithm, i) for i in range(len(self.sizes))]
+        x = math.log2(max(nbytes, 1))
+        points = [math.log2(s) for s in self.sizes]
+        if x <= points[0]:
+            return math.exp(logs[0])
+        for i in range(1, len(points)):
+            if x <= points[i]:
+                weight = (x - points[i - 1]) / (points[i] - points[i - 1])
+                return math.exp(logs[i - 1] + weight * (logs[i] - logs[i - 1]))
+        return math.exp(logs[-1])
+
+    def _log_ratio(self, algorithm: str, index: int) -> float:
+        own = self.ratios.get(algorithm)
+        if own is not None and own[index] is not None:
+            return math.log(own[index])
+        measured = [math.log(r[index]) for r in self.ratios.values() if r[index] is not None]
+        return sum(measured) / len(measured) if measured else 0.0
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why `auto` picks what it picks at one size (`Communicator.explain`)."""
+
+    nbytes: int
+    predicted: Mapping[str, float]
+    """Model seconds per candidate."""
+    corrected: Mapping[str, float]
+    """After the tuning corrections (equal to `predicted` when untuned)."""
+    choice: str
+    costs: LinkCosts
+    tuned: bool
+
+    def __str__(self) -> str:
+        source = "probed" if self.costs.measured else "default (not probed)"
+        lines = [
+            f"all-reduce of {self.nbytes} bytes: auto -> {self.choice}",
+            f"  link costs {source}: intra alpha {self.costs.intra.alpha * 1e6:.1f} us, "
+            f"{1 / self.costs.intra.beta / 1e9 if self.costs.intra.beta else math.inf:.2f} GB/s; "
+            f"inter alpha {self.costs.inter.alpha * 1e6:.1f} us, "
+            f"{1 / self.costs.inter.beta / 1e9 if self.costs.inter.beta else math.inf:.2f} GB/s; "
+            f"gamma {1 / self.costs.gamma / 1e9 if self.costs.gamma else math.inf:.2f} GB/s",
+            f"  {'algorithm':<18} {'model (us)':>12} {'tuned (us)' if self.tuned else '':>12}",
+        ]
+        for algorithm in sorted(self.corrected, key=self.corrected.__getitem__):
+            mark = "  <- auto" if algorithm == self.choice else ""
+            tuned = f"{self.corrected[algorithm] * 1e6:>12.1f}" if self.tuned else " " * 12
+            lines.append(f"  {algorithm:<18} {self.predicted[algorithm] * 1e6:>12.1f} {tuned}{mark}")
+        return "\n".join(lines)
+
+
+class Selector:
+    """Chooses the all-reduce algorithm with the lowest predicted time for each size."""
+
+    def __init__(self, topology: Topology, costs: LinkCosts, segment_bytes: int, tuning: Tuning | None = None) -> None:
+        self.topology = topology
+        self.costs = costs
+        self.segment_bytes = segment_bytes
+        self.tuning = tuning
+        self.candidates = candidates(topology)
+        self._chosen: dict[int, str] = {}
+
+    def predictions(self, nbytes: int) -> dict[str, float]:
+        """Model seconds of every candidate at `nbytes`."""
+        return {a: predict(a, nbytes, self.topology, self.costs, self.segment_bytes) for a in self.candidates}
+
+    def corrected(self, nbytes: int) -> dict[str, float]:
+        """Predictions times the tuning corrections (the numbers `choose` compares)."""
+        predicted = self.predictions(nbytes)
+        if self.tuning is None:
+            return predicted
+        return {a: t * self.tuning.correction(a, nbytes) for a, t in predicted.items()}
+
+    def choose(self, nbytes: int) -> str:
+        """The candidate with the lowest corrected prediction; ties go to the earlier candidate."""
+        choice = self._chosen.get(nbytes)
+        if choice is None:
+            times = self.corrected(nbytes)
+            choice = min(self.candidates, key=times.__getitem__)
+            if len(self._chosen) >= _CACHE_LIMIT:
+                self._chosen.clear()
+            self._chosen[nbytes] = choice
+        return choice
+
+    def explain(self, nbytes: int) -> Explanation:
+        return Explanation(
+            nbytes=nbytes,
+            predicted=self.predictions(nbytes),
+            corrected=self.corrected(nbytes),
+            choice=self.choose(nbytes),
+            costs=self.costs,
+            tuned=self.tuning is not None,
+        )

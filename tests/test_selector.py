@@ -1,0 +1,137 @@
+"""Probes, cost model, selector and tuning: against the simulated backend (where the truth is
+known) and on the threads backend (identical decisions on every rank, the tuning cache)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import collectives
+import collectives.tuning
+from backends.simulated import Cluster, Link, SimulatedTransport, simulate
+from collectives.group import Group
+from collectives.probe import probe_links
+from collectives.selector import Selector, Tuning
+from collectives.simulation import simulate_allreduce
+from collectives.topology import Topology
+
+INTRA = Link(alpha=1e-6, bandwidth=50e9)
+GAMMA = 1 / 20e9
+SHAPES = [(1, 8), (2, 4), (4, 4), (8, 8), (16, 8)]
+RATIOS = [10, 100]
+SIZES = [1 << e for e in range(10, 29, 2)]  # 1 KiB .. 256 MiB
+
+
+def grid_cluster(nodes: int, per_node: int, ratio: int) -> Cluster:
+    """Inter-node links `ratio` times slower than intra-node ones (latency and bandwidth); each
+    node's NIC carries two inter-node links' worth."""
+    inter = Link(INTRA.alpha * ratio, INTRA.bandwidth / ratio)
+    return Cluster(nodes, per_node, INTRA, inter, nic_bandwidth=2 * inter.bandwidth, gamma=GAMMA)
+
+
+def probed(shape: Cluster) -> list:
+    """Run the probes on every simulated rank; their LinkCosts, one per rank."""
+    topology = Topology(shape.hosts)
+
+    def body(t: SimulatedTransport):
+        group = Group(t, tuple(range(t.size)), 64, b"probe", math.inf, math.inf)
+        return probe_links(group, topology)
+
+    return list(simulate(body, shape).results)
+
+
+@pytest.mark.parametrize(("nodes", "per_node", "ratio"), [(2, 4, 10), (4, 4, 100), (1, 8, 10)])
+def test_probes_recover_the_simulated_links(nodes: int, per_node: int, ratio: int) -> None:
+    """alpha and beta of each link class, and gamma, within 10%, and the same on every rank."""
+    shape = grid_cluster(nodes, per_node, ratio)
+    costs = probed(shape)
+    assert all(c == costs[0] for c in costs)
+    found = costs[0]
+    links = [(found.intra, shape.intra)] + ([(found.inter, shape.inter)] if nodes > 1 else [])
+    for measured, truth in links:
+        assert measured.alpha == pytest.approx(truth.alpha, rel=0.1)
+        assert 1 / measured.beta == pytest.approx(truth.bandwidth, rel=0.1)
+    assert found.gamma == pytest.approx(GAMMA, rel=0.1) and found.measured
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), SHAPES, ids=[f"{n}x{l}" for n, l in SHAPES])
+def test_auto_is_within_5_percent_of_the_best_algorithm(nodes: int, per_node: int) -> None:
+    """On every size of the grid and both link ratios, the algorithm the selector picks from the
+    probed link costs is simulated within 5% of the fastest candidate (the oracle), and it is one
+    of the candidates, all of which completed (none fails for that size or topology)."""
+    worst = []
+    for ratio in RATIOS if nodes > 1 else RATIOS[:1]:  # one node: the inter links are unused
+        shape = grid_cluster(nodes, per_node, ratio)
+        topology = Topology(shape.hosts)
+        selector = Selector(topology, probed(shape)[0], collectives.layout.DEFAULT_SEGMENT_BYTES)
+        for nbytes in SIZES:
+            times = {a: simulate_allreduce(shape, a, nbytes).time for a in selector.candidates}
+            choice = selector.choose(nbytes)
+            assert choice in times and choice != "reference"
+            regret = times[choice] / min(times.values()) - 1
+            worst.append((regret, ratio, nbytes, choice, min(times, key=times.get)))
+    assert max(worst)[0] <= 0.05, f"worst (regret, ratio, bytes, chosen, best): {max(worst)}"
+
+
+def test_probe_on_threads_is_shared_and_used() -> None:
+    """comm.probe() measures, every rank gets the same numbers, and auto uses them."""
+
+    def body(comm: collectives.Communicator):
+        assert not comm.link_costs.measured
+        costs = comm.probe()
+        return costs, comm.link_costs, comm.explain(1 << 20).choice
+
+    results = collectives.run_threads(body, 4, ranks_per_node=2)
+    assert all(r == results[0] for r in results)
+    costs, used, _ = results[0]
+    assert costs.measured and used == costs and costs.intra.alpha > 0 and costs.gamma > 0
+
+
+def test_tune_caches_by_fingerprint(tmp_path, monkeypatch) -> None:
+    """tune() measures and writes a file; a second world with the same layout reads it instead of
+    measuring, and both end with identical decisions on every rank."""
+    sizes = (4096, 65536)
+
+    def body(comm: collectives.Communicator):
+        tuning = comm.tune(sizes, cache_dir=tmp_path)
+        return tuning, comm.explain(4096).choice, str(comm.explain(65536))
+
+    first = collectives.run_threads(body, 4, ranks_per_node=2)
+    assert all(r == first[0] for r in first) and len(list(tmp_path.iterdir())) == 1
+    assert set(first[0][0].sizes) == set(sizes) and first[0][0].ratios
+    uncached = collectives.run_threads(lambda c: c.tune(sizes, cache_dir=tmp_path, use_cache=False), 2)
+    assert uncached[0].ratios and len(list(tmp_path.iterdir())) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again although a tuning file exists")
+
+    monkeypatch.setattr(collectives.communicator, "measure", refuse)
+    second = collectives.run_threads(body, 4, ranks_per_node=2)
+    assert second == first
+
+
+def test_tuning_corrections_interpolate_in_log_size() -> None:
+    """Ratios apply at their sizes, interpolate geometrically between, hold beyond; algorithms not
+    measured at a size get the geometric mean of those that were."""
+    tuning = Tuning((1024, 4096), {"ring": (2.0, 8.0), "tree": (None, 2.0)})
+    assert tuning.correction("ring", 1024) == pytest.approx(2.0)
+    assert tuning.correction("ring", 2048) == pytest.approx(4.0)
+    assert tuning.correction("ring", 1 << 30) == pytest.approx(8.0)
+    assert tuning.correction("tree", 100) == pytest.approx(2.0)
+    assert tuning.correction("hierarchical", 4096) == pytest.approx(4.0)
+
+
+def test_explain_lists_every_candidate() -> None:
+    """explain() names the choice and each candidate's predicted time, cheapest first."""
+
+    def body(comm: collectives.Communicator):
+        return comm.explain(64 << 20)
+
+    explanation = collectives.run_threads(body, 4, ranks_per_node=2)[0]
+    text = str(explanation)
+    assert explanation.choice in text and "<- auto" in text
+    assert set(explanation.predicted) == {"ring", "tree", "hierarchical", "hierarchical_tree"}
+    assert explanation.choice == min(explanation.predicted, key=explanation.predicted.__getitem__)
+    with pytest.raises(ValueError):
+        collectives.run_threads(lambda comm: comm.explain(-1), 1)
