@@ -37,6 +37,8 @@ import struct
 from dataclasses import dataclass
 from typing import Mapping
 
+from .base import ENV_RANKS_PER_NODE, emulated_host
+
 ENV_RANK = "COLLECTIVES_RANK"
 ENV_WORLD_SIZE = "COLLECTIVES_WORLD_SIZE"
 ENV_ADDRESSES = "COLLECTIVES_ADDRESSES"
@@ -45,7 +47,6 @@ ENV_TLS_CERT = "COLLECTIVES_TLS_CERT"
 ENV_TLS_KEY = "COLLECTIVES_TLS_KEY"
 ENV_TLS_CA = "COLLECTIVES_TLS_CA"
 ENV_TLS_SERVER_NAME = "COLLECTIVES_TLS_SERVER_NAME"
-ENV_RANKS_PER_NODE = "COLLECTIVES_RANKS_PER_NODE"
 ENV_TF_CONFIG = "TF_CONFIG"
 
 
@@ -210,11 +211,7 @@ def load_config(environ: Mapping[str, str] | None = None) -> ClusterConfig:
     elif ca is not None:
         raise ValueError(f"{ENV_TLS_CA} is set but {ENV_TLS_CERT}/{ENV_TLS_KEY} are not; set all three for TLS")
 
-    per_node_text = env.get(ENV_RANKS_PER_NODE)
-    if per_node_text:
-        host = f"node{rank // _int_variable(env, ENV_RANKS_PER_NODE, minimum=1)}"
-    else:
-        host = node_name(addresses[rank])
+    host = emulated_host(rank, env) or node_name(addresses[rank])
     return ClusterConfig(rank=rank, addresses=addresses, host=host, secret=secret, tls=tls)
 
 

@@ -29,8 +29,9 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
 from __future__ import annotations
 
 import abc
+import os
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -125,3 +126,25 @@ def check_buffer(buf: Buffer) -> None:
             f"transport buffers must be 1-D and C-contiguous, got ndim={buf.ndim}, "
             f"contiguous={buf.flags.c_contiguous}"
         )
+
+
+ENV_RANKS_PER_NODE = "COLLECTIVES_RANKS_PER_NODE"
+"""Emulates nodes of this many ranks on one machine, for every backend."""
+
+
+def emulated_host(rank: int, environ: Mapping[str, str] = os.environ) -> str | None:
+    """`node{rank // n}` when COLLECTIVES_RANKS_PER_NODE=n is set, else None (use the real host).
+
+    Raises:
+        ValueError: the variable is set to something other than a positive integer.
+    """
+    value = environ.get(ENV_RANKS_PER_NODE)
+    if not value:
+        return None
+    try:
+        ranks_per_node = int(value)
+    except ValueError:
+        ranks_per_node = 0
+    if ranks_per_node < 1:
+        raise ValueError(f"{ENV_RANKS_PER_NODE} must be a positive integer, got {value!r}")
+    return f"node{rank // ranks_per_node}"

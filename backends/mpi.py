@@ -104,7 +104,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Transport, check_buffer
+from .base import Transport, check_buffer, emulated_host
 from .errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -120,7 +120,6 @@ MAX_HEADER_BYTES = 512
 INLINE_BYTES = 4096
 """Payloads up to this size travel inside the envelope (one MPI message instead of two)."""
 
-ENV_RANKS_PER_NODE = "COLLECTIVES_RANKS_PER_NODE"
 
 _LENGTH_BYTES = 8
 _HEADER_LENGTH_BYTES = 2
@@ -534,16 +533,7 @@ class MPITransport(Transport):
         finally:
             shared.Free()
         host = bytes(name).rstrip(b"\0").decode(errors="replace")
-        emulated = os.environ.get(ENV_RANKS_PER_NODE)
-        if emulated:
-            try:
-                per_node = int(emulated)
-            except ValueError:
-                per_node = 0
-            if per_node < 1:
-                raise ValueError(f"{ENV_RANKS_PER_NODE} must be a positive integer, got {emulated!r}")
-            host = f"node{self.rank // per_node}"
-        return oversubscribed, host
+        return oversubscribed, emulated_host(self.rank) or host
 
     # -- point to point -------------------------------------------------------------------------
 

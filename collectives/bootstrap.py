@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Mapping
 
-from backends.base import Transport
+from backends.base import ENV_RANKS_PER_NODE, Transport, emulated_host
 
 from .communicator import DEFAULT_TIMEOUT, Communicator
 from .layout import DEFAULT_SEGMENT_BYTES
@@ -26,8 +26,6 @@ log = logging.getLogger(__name__)
 
 ENV_BACKEND = "COLLECTIVES_BACKEND"
 """Forces a backend: "mpi", "grpc" or "threads" (one rank)."""
-ENV_RANKS_PER_NODE = "COLLECTIVES_RANKS_PER_NODE"
-"""Emulates nodes of this many ranks on one machine (host = "node{rank // n}")."""
 ENV_RANK = "COLLECTIVES_RANK"
 ENV_WORLD_SIZE = "COLLECTIVES_WORLD_SIZE"
 ENV_ADDRESSES = "COLLECTIVES_ADDRESSES"
@@ -113,13 +111,6 @@ def _make_transport(backend: str | None, timeout: float) -> Transport:
 
 def _emulate_nodes(transport: Transport, environ: Mapping[str, str]) -> None:
     """Apply COLLECTIVES_RANKS_PER_NODE, so one machine can stand in for several nodes."""
-    value = environ.get(ENV_RANKS_PER_NODE)
-    if not value:
-        return
-    try:
-        ranks_per_node = int(value)
-    except ValueError:
-        ranks_per_node = 0
-    if ranks_per_node < 1:
-        raise ValueError(f"{ENV_RANKS_PER_NODE} must be a positive integer, got {value!r}")
-    transport.host = f"node{transport.rank // ranks_per_node}"
+    host = emulated_host(transport.rank, environ)
+    if host is not None:
+        transport.host = host

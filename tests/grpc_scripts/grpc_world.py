@@ -11,28 +11,15 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from collectives.launch import free_loopback_ports
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports that were free on 127.0.0.1 a moment ago (bound to port 0)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def world_environment(
@@ -98,7 +85,7 @@ class World:
         self.delays = dict(delays or {})
         self.tf_config = tf_config
         self.secret = secrets.token_hex(16) if secret == "" else secret
-        self.addresses = [f"127.0.0.1:{port}" for port in free_ports(size)]
+        self.addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(size)]
         self.processes: list[subprocess.Popen | None] = [None] * size
         self.outputs: list[str] = [""] * size
         self.returncodes: list[int | None] = [None] * size
