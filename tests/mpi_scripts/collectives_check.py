@@ -21,30 +21,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared bodies
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from backends.mpi import MPITransport  # noqa: E402
+from bodies import DTYPES, OPS, assert_close, rank_input, reference  # noqa: E402
 from collectives import NATIVE, Communicator, MismatchError  # noqa: E402
 
 ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference", NATIVE)
-DTYPES = ("float32", "float64", "float16", "int32")
-OPS = ("sum", "max", "mean")
-TOLERANCE = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}
-
-
-def rank_input(rank: int, count: int, dtype: str, case: int) -> np.ndarray:
-    rng = np.random.default_rng([rank, count, DTYPES.index(dtype), case])
-    if np.dtype(dtype).kind == "i":
-        return rng.integers(-3, 4, size=count).astype(dtype)
-    return rng.uniform(-1, 1, size=count).astype(dtype)
-
-
-def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
-    stacked = np.stack([x.astype(np.float64) for x in inputs])
-    return {"sum": stacked.sum, "mean": stacked.mean, "max": stacked.max}[op](axis=0)
-
 
 def main() -> int:
     expected_nodes = int(sys.argv[1])
@@ -71,14 +57,7 @@ def main() -> int:
                         assert result is mine, f"{what}: out= ignored"
                     else:
                         np.testing.assert_array_equal(mine, inputs[comm.rank], err_msg=f"{what}: input modified")
-                    expected = reference(inputs, op)
-                    if dtype == "int32":
-                        np.testing.assert_array_equal(result, expected.astype(dtype), err_msg=what)
-                    else:
-                        tol = TOLERANCE[dtype] * p
-                        np.testing.assert_allclose(
-                            result.astype(np.float64), expected, rtol=tol, atol=tol, err_msg=what
-                        )
+                    assert_close(result, reference(inputs, op), dtype, p, what)
                     digests = world.allgather(hashlib.sha256(result.tobytes()).hexdigest())
                     assert len(set(digests)) == 1, f"{what}: ranks hold different bits"
     comm.close()
