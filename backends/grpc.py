@@ -70,6 +70,7 @@ module's logic (``bench_grpc.py --raw``) measure the same at 16 MiB and about 20
 from __future__ import annotations
 
 import _thread
+import atexit
 import hmac
 import json
 import logging
@@ -77,6 +78,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent import futures
 from typing import Any, Callable, Iterator, Mapping
@@ -130,6 +132,29 @@ def _import_grpc() -> Any:
     except ImportError:
         raise BackendUnavailableError("grpc", "grpcio", "grpc") from None
     return grpc
+
+
+def _close_before_exit(transport: "GrpcTransport") -> None:
+    """Close `transport` when the interpreter starts to exit, if the program did not.
+
+    The server's handler threads wait on their peers' streams and the thread pool joins them at
+    exit, so a program that exits without `close()` (after an uncaught exception, say) would wait
+    for its peers forever, and they for it. Closing must therefore run before threads are joined:
+    plain `atexit` handlers run after that, so this uses the hook concurrent.futures itself uses
+    (`threading._register_atexit`), where it exists.
+    """
+    reference = weakref.ref(transport)
+
+    def close() -> None:
+        alive = reference()
+        if alive is not None:
+            alive.close()
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        (register or atexit.register)(close)
+    except RuntimeError:  # the interpreter is already shutting down
+        pass
 
 
 def _identity(data: bytes) -> bytes:
@@ -335,6 +360,7 @@ class GrpcTransport(Transport):
         except BaseException:
             self._shutdown_quietly()
             raise
+        _close_before_exit(self)
 
     @classmethod
     def from_environment(

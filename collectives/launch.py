@@ -89,8 +89,22 @@ class _Rank:
         self._reader.join(timeout=_STOP_GRACE_SECONDS)
 
 
+class _Terminated(Exception):
+    """The launcher itself was asked to stop (SIGTERM, SIGHUP), e.g. by a batch system."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise _Terminated(signum)
+
+
 def _supervise(ranks: list[_Rank]) -> int:
-    """Wait for every rank; on the first failure stop the rest. Returns the exit code."""
+    """Wait for every rank; on the first failure, an interrupt or a termination signal stop the
+    rest. Returns the exit code."""
+    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
             codes = [rank.process.poll() for rank in ranks]  # poll all: collects every exit
@@ -101,6 +115,12 @@ def _supervise(ranks: list[_Rank]) -> int:
     except KeyboardInterrupt:
         _stop_all(ranks)
         return 130
+    except _Terminated as stop:
+        _stop_all(ranks)
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if failed is None:
         for rank in ranks:
             rank.join_output()

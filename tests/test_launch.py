@@ -105,6 +105,47 @@ def test_killed_rank_is_reported_as_a_signal(tmp_path: Path) -> None:
     assert "exited with signal 9" in result.stderr
 
 
+def test_rank_raising_without_closing_its_communicator_still_exits(tmp_path: Path) -> None:
+    """Every rank joins a gRPC communicator, then raises without closing it: the ranks must exit
+    (closing their transports on the way out) instead of waiting on each other's streams."""
+    started = time.monotonic()
+    result = launch(
+        tmp_path,
+        """
+        import numpy as np
+        import collectives
+        comm = collectives.init(timeout=20)
+        comm.allreduce(np.ones(4))
+        raise RuntimeError("rank gives up without closing")
+        """,
+        "-n", "2",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rank gives up without closing" in result.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_terminated_launcher_stops_its_ranks(tmp_path: Path) -> None:
+    """SIGTERM to the launcher (a batch system cancelling the job) stops every rank it started."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(60)\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "collectives.launch", "-n", "2", str(script)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+        launcher.terminate()
+        assert launcher.wait(timeout=LAUNCH_TIMEOUT) == 128 + 15
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if alive(pid)], "a rank outlived the terminated launcher"
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
