@@ -65,11 +65,16 @@ class Work(concurrent.futures.Future):
     """Handle of an asynchronous collective; a `concurrent.futures.Future` with `wait`.
 
     Collectives cannot be cancelled: every rank must run the same sequence of them.
+    `started_at` and `finished_at` (`time.perf_counter()` seconds, None until then) say when the
+    collective actually ran, which is later than its submission when others were queued ahead
+    of it; timelines use them to show communication against computation.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._run_here: Callable[[], None] | None = None
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finishes and return its result (or raise its error).
@@ -504,6 +509,7 @@ class Communicator:
 
     def _execute(self, task: _Task) -> None:
         task.work.set_running_or_notify_cancel()
+        task.work.started_at = time.perf_counter()
         try:
             if self._broken is not None:  # queued before the failure: fail fast, do not talk
                 raise self._unusable()
@@ -522,6 +528,7 @@ class Communicator:
     def _finish(self, task: _Task) -> None:
         """Let the next collective start; done before the result is published, so that a caller
         woken by this result can run its next collective at once."""
+        task.work.finished_at = time.perf_counter()
         with self._turn:
             self._next_to_run = task.seq + 1
             self._turn.notify_all()
@@ -612,6 +619,7 @@ def _header(collective: str, src: np.ndarray, *, algorithm: str, op: str | None 
 
 def _done(result: Any) -> Work:
     work = Work()
+    work.started_at = work.finished_at = time.perf_counter()
     work.set_running_or_notify_cancel()
     work.set_result(result)
     return work

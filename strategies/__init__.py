@@ -1,4 +1,53 @@
-"""TensorFlow-facing strategies (to come): a gradient aggregator for custom training loops that
-buckets each layer's gradients and all-reduces them while backprop continues, Horovod-style
-`broadcast_variables`, and TF-tensor collectives. TensorFlow is imported lazily, only here.
+"""TensorFlow integration: data-parallel gradient aggregation for custom training loops.
+
+    import collectives
+    from strategies import DistributedGradientTape, broadcast_variables
+
+    collectives.init()
+    broadcast_variables(model.variables)
+    tape = DistributedGradientTape(model=model)
+    with tape:
+        loss = loss_fn(y, model(x))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+Gradients travel in fused buckets, in reverse variable order, while backprop is still running (by
+dataflow inside `tf.function`, through gradient hooks in eager mode), and every rank ends each step
+with bit-identical gradients. Every function takes `comm=None`, meaning the communicator made by
+the last `collectives.init()`.
+
+TensorFlow is imported when one of these names is first used, not by `import strategies`; without
+it installed, using them raises `BackendUnavailableError` naming the `tf` extra.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "GradientAggregator": ".aggregator",
+    "DistributedGradientTape": ".tape",
+    "allreduce": ".ops",
+    "allgather": ".ops",
+    "broadcast": ".ops",
+    "broadcast_variables": ".ops",
+    "Compression": ".compression",
+    "Compressor": ".compression",
+    "FP16Compressor": ".compression",
+    "Timeline": ".timeline",
+    "hidden_fraction": ".timeline",
+    "load_trace": ".timeline",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'strategies' has no attribute {name!r}")
+    module = importlib.import_module(_EXPORTS[name], __name__)
+    if name in {"GradientAggregator", "DistributedGradientTape", "allreduce", "allgather", "broadcast", "broadcast_variables"}:
+        from ._tensorflow import tensorflow
+
+        tensorflow()  # a clear error naming the `tf` extra if TensorFlow is missing
+    return getattr(module, name)

@@ -1,0 +1,285 @@
+"""`GradientAggregator`: all-reduce a model's gradients in fused buckets, overlapped with backprop.
+
+Dense gradients travel in buckets (see `buckets`, `exchange`); sparse gradients (`tf.IndexedSlices`,
+from embedding lookups) are all-gathered, rows and indices, unless `sparse_as_dense=True` turns
+them into dense tensors first. With `average=True` (the default, as Horovod's) the results are
+divided by the number of ranks, so the aggregated gradient of equal per-rank batches is the
+gradient of the global batch. Every rank gets bit-identical results.
+
+Where the overlap comes from:
+* inside `tf.function`, each bucket's hand-off is a graph op that depends only on that bucket's
+  gradients, so TensorFlow runs it as soon as they are computed while the rest of backprop is
+  still running; the results are collected by ops that come after all hand-offs;
+* in eager mode TensorFlow computes all gradients in one call, so `DistributedGradientTape(model=)`
+  hooks each variable's read and hands each gradient over during that call (`hooks`), using the
+  bucket layout this aggregator learned on the first step.
+
+On the first step the ranks compare a fingerprint of the variables (names, shapes, dtypes, order;
+see `fingerprint`), so a rank with a different model fails with `MismatchError` naming the first
+difference instead of hanging.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from collectives import Communicator
+
+from ._tensorflow import communicator, tensorflow
+from .buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from .compression import Compression, Compressor
+from .exchange import BucketExchange
+from .fingerprint import check_same_everywhere, describe
+from .timeline import Timeline
+from .uneven import allgather_rows
+
+log = logging.getLogger(__name__)
+
+DENSE, SPARSE, NONE = "dense", "sparse", "none"
+
+
+class GradientAggregator:
+    """All-reduces gradients across ranks for a custom training loop.
+
+    Args:
+        comm: the communicator; None means the one made by the last `collectives.init()`.
+        average: divide the sums by the number of ranks.
+        bucket_bytes: fusion bucket size in bytes.
+        compression: a `Compressor` such as `Compression.fp16`; None sends gradients as they are.
+        sparse_as_dense: all-reduce `IndexedSlices` as dense tensors instead of all-gathering them
+            (better when most rows are touched every step).
+        timeline: path of a Chrome trace of backprop and communication (see `timeline`); None
+            uses $COLLECTIVES_TIMELINE when set.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator | None = None,
+        *,
+        average: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        compression: Compressor | None = None,
+        sparse_as_dense: bool = False,
+        timeline: str | os.PathLike | None = None,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if compression is not None and not isinstance(compression, Compressor):
+            raise TypeError(f"compression must be a Compressor (e.g. Compression.fp16), got {compression!r}")
+        self._comm = comm
+        self.average = average
+        self.bucket_bytes = bucket_bytes
+        self.compressor = compression or Compression.none
+        self.sparse_as_dense = sparse_as_dense
+        self._timeline_path = timeline
+        self._timeline: Timeline | None = None
+        self._exchanges: dict[tuple, BucketExchange] = {}
+        self._checked: set[tuple[str, ...]] = set()
+        self._lock = threading.Lock()
+        self.steps = 0
+        """Aggregations done so far (eager calls, or executions of a traced graph)."""
+        self.last_exchange: BucketExchange | None = None
+        """The buckets of the last eager step, which gradient hooks fill during the next one."""
+
+    @property
+    def comm(self) -> Communicator:
+        return communicator(self._comm)
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The trace being written, if any (created on first use, one file per rank)."""
+        if self._timeline is None:
+            comm = self.comm
+            if self._timeline_path is not None:
+                self._timeline = Timeline(self._timeline_path, comm.rank, comm.size)
+            else:
+                self._timeline = Timeline.from_environment(comm.rank, comm.size)
+        return self._timeline
+
+    def aggregate(self, gradients: Sequence[Any], variables: Sequence[Any] | None = None) -> list[Any]:
+        """The gradients all-reduced across ranks (averaged if `average`), in the same order.
+
+        Args:
+            gradients: tensors, `tf.IndexedSlices` or None (None stays None and is not sent; it
+                must then be None on every rank).
+            variables: the variables they belong to; used for the first-step fingerprint (names,
+                shapes, dtypes). Without them the gradients' shapes and dtypes are compared.
+        """
+        return self.aggregate_marked(gradients, variables)
+
+    def aggregate_marked(
+        self, gradients: Sequence[Any], variables: Sequence[Any] | None = None, after_hand_off: Callable[[], None] | None = None
+    ) -> list[Any]:
+        """`aggregate`, calling `after_hand_off()` (inside tf.function) once the hand-off ops exist.
+
+        Stateful ops run in the order they are created, so an op that `after_hand_off` creates
+        (e.g. a timeline marker for the end of backprop) runs after the hand-offs, not before.
+        """
+        tf = tensorflow()
+        gradients = list(gradients)
+        if variables is not None and len(variables) != len(gradients):
+            raise ValueError(f"got {len(gradients)} gradients for {len(variables)} variables")
+        if self.sparse_as_dense:
+            gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+        if self.comm.size == 1:
+            return gradients
+        kinds = tuple(_kind(tf, g) for g in gradients)
+        entries = _fingerprint(tf, gradients, variables)
+        exchange = self._exchange(tf, gradients, kinds)
+        if tf.executing_eagerly():
+            return self._aggregate_eagerly(tf, gradients, kinds, entries, exchange)
+        return self._aggregate_in_graph(tf, gradients, kinds, entries, exchange, after_hand_off)
+
+    # -- eager ---------------------------------------------------------------------------------
+
+    def _aggregate_eagerly(self, tf, gradients, kinds, entries, exchange, handed_over=None) -> list[Any]:
+        self._ensure_checked(entries)
+        handed_over = handed_over or {}
+        for variable in reversed(range(len(gradients))):  # backprop order: later layers first
+            if variable in exchange.variables:
+                gradient = gradients[variable]
+                if variable in handed_over:
+                    _check_handed_over(handed_over[variable], gradient, entries[variable])
+                else:
+                    exchange.deposit(variable, gradient.numpy())
+        dense = exchange.collect_all()
+        self.steps += 1
+        self.last_exchange = exchange
+        results: list[Any] = []
+        for variable, kind in enumerate(kinds):
+            # sparse gradients are filled in below, in a fixed order after the dense buckets
+            results.append(tf.convert_to_tensor(dense[variable]) if kind == DENSE else None)
+        for variable in reversed(range(len(gradients))):
+            if kinds[variable] == SPARSE:
+                gradient = gradients[variable]
+                values, indices = self._gather_sparse(gradient.values.numpy(), gradient.indices.numpy())
+                results[variable] = tf.IndexedSlices(tf.convert_to_tensor(values), tf.convert_to_tensor(indices), gradient.dense_shape)
+        return results
+
+    def aggregate_handed_over(
+        self, gradients: Sequence[Any], variables: Sequence[Any], exchange: BucketExchange, handed_over: dict[int, Any]
+    ) -> list[Any]:
+        """Eager `aggregate` for gradients some of which hooks already handed to `exchange` during
+        backprop (`handed_over`: variable index -> the gradient handed over)."""
+        tf = tensorflow()
+        gradients = list(gradients)
+        if self.sparse_as_dense:
+            gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+        kinds = tuple(_kind(tf, g) for g in gradients)
+        current = self._exchange(tf, gradients, kinds)
+        if current is not exchange:  # the layout changed on every rank: finish what was started
+            log.warning("gradient layout changed since the previous step; its buckets are flushed and sent again")
+            exchange.collect_all()
+            handed_over = {}
+        return self._aggregate_eagerly(tf, gradients, kinds, _fingerprint(tf, gradients, variables), current, handed_over)
+
+    # -- tf.function ---------------------------------------------------------------------------
+
+    def _aggregate_in_graph(self, tf, gradients, kinds, entries, exchange, after_hand_off) -> list[Any]:
+        results: list[Any] = [None] * len(gradients)
+        tokens = []
+        for index, bucket in enumerate(exchange.buckets):
+            inputs = [gradients[slot.variable] for slot in bucket.slots]
+            hand_off = functools.partial(self._hand_off, exchange, index, entries)
+            tokens.append(tf.numpy_function(hand_off, inputs, tf.int64, stateful=True, name=f"collectives_hand_off_{index}"))
+        if after_hand_off is not None:
+            after_hand_off()
+        for variable in reversed(range(len(gradients))):
+            if kinds[variable] == SPARSE:
+                gradient = gradients[variable]
+                gather = functools.partial(self._gather_sparse, entries=entries)
+                values, indices = tf.numpy_function(
+                    gather, [gradient.values, gradient.indices], [gradient.values.dtype, gradient.indices.dtype],
+                    stateful=True, name="collectives_gather_sparse",
+                )
+                values.set_shape([None, *gradient.values.shape[1:]])
+                indices.set_shape([None])
+                results[variable] = tf.IndexedSlices(values, indices, gradient.dense_shape)
+        for index, bucket in enumerate(exchange.buckets):
+            dtype = tf.as_dtype(bucket.dtype)
+            collect = functools.partial(self._collect, exchange, index)
+            outputs = tf.numpy_function(collect, [tokens[index]], [dtype] * len(bucket.slots), stateful=True, name=f"collectives_collect_{index}")
+            for slot, output in zip(bucket.slots, outputs):
+                output.set_shape(slot.shape)
+                results[slot.variable] = output
+        return results
+
+    def _hand_off(self, exchange: BucketExchange, index: int, entries: tuple[str, ...], *gradients: np.ndarray) -> np.int64:
+        self._ensure_checked(entries)
+        for slot, gradient in zip(exchange.buckets[index].slots, gradients):
+            exchange.deposit(slot.variable, gradient)
+        return np.int64(index)
+
+    def _collect(self, exchange: BucketExchange, index: int, token: np.int64) -> list[np.ndarray]:
+        gradients = exchange.collect(index)
+        if index == len(exchange.buckets) - 1:
+            self.steps += 1
+        return gradients
+
+    # -- shared --------------------------------------------------------------------------------
+
+    def _exchange(self, tf, gradients, kinds) -> BucketExchange:
+        """The (cached) exchange for this layout of gradients: made once, reused every step."""
+        specs = [(tuple(g.shape), tf.as_dtype(g.dtype).as_numpy_dtype) if k == DENSE else None for g, k in zip(gradients, kinds)]
+        key = tuple((spec[0], np.dtype(spec[1]).str) if spec else kind for spec, kind in zip(specs, kinds))
+        with self._lock:
+            exchange = self._exchanges.get(key)
+            if exchange is None:
+                if any(spec and None in spec[0] for spec in specs):
+                    raise ValueError(f"gradients need fully known shapes to be bucketed; got {[s[0] for s in specs if s]}")
+                buckets = plan_buckets(specs, self.bucket_bytes)
+                exchange = BucketExchange(self.comm, buckets, average=self.average, compressor=self.compressor, timeline=self.timeline)
+                self._exchanges[key] = exchange
+        return exchange
+
+    def _ensure_checked(self, entries: tuple[str, ...]) -> None:
+        if entries not in self._checked:
+            check_same_everywhere(self.comm, entries, "variables (name, shape, dtype, in order)")
+            self._checked.add(entries)
+
+    def _gather_sparse(self, values: np.ndarray, indices: np.ndarray, entries: tuple[str, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if entries is not None:
+            self._ensure_checked(entries)
+        values = allgather_rows(self.comm, values)
+        if self.average:
+            values = values / np.asarray(self.comm.size, dtype=values.dtype)
+        return values, allgather_rows(self.comm, indices)
+
+
+def _kind(tf, gradient: Any) -> str:
+    if gradient is None:
+        return NONE
+    return SPARSE if isinstance(gradient, tf.IndexedSlices) else DENSE
+
+
+def _fingerprint(tf, gradients: Sequence[Any], variables: Sequence[Any] | None) -> tuple[str, ...]:
+    if variables is None:
+        return tuple(
+            describe(f"gradient {i}", tuple(g.shape) if g is not None else (), tf.as_dtype(g.dtype).name if g is not None else "none")
+            for i, g in enumerate(gradients)
+        )
+    return tuple(describe(variable_name(v), tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables)
+
+
+def variable_name(variable: Any) -> str:
+    """Keras 3 variables have a unique `path`; plain `tf.Variable`s a `name`."""
+    return getattr(variable, "path", None) or variable.name
+
+
+def _check_handed_over(handed: Any, returned: Any, entry: str) -> None:
+    """The gradient a hook handed over must be the one the tape returned: a second path to the
+    variable that bypassed the hook would otherwise be silently dropped."""
+    if handed is returned:
+        return
+    if not np.array_equal(np.asarray(handed), np.asarray(returned)):
+        raise ValueError(
+            f"the gradient of {entry} handed over during backprop differs from the one the tape "
+            "returned: the variable was also read in a way the tape wrapper could not see (outside "
+            "the `with tape:` block or through its raw tf.Variable)"
+        )

@@ -1,0 +1,85 @@
+"""Fusion buckets: how a model's gradients are packed into a few large all-reduces.
+
+Small all-reduces are latency-bound, so gradients are fused into buckets of about
+`bucket_bytes`. Buckets are filled in reverse variable order, the order in which backprop produces
+gradients (last layer first, as PyTorch DDP does), so the first bucket is complete early and its
+all-reduce runs while backprop continues. A bucket holds one dtype; a gradient larger than the
+bucket size gets a bucket of its own. The plan depends only on the variables' shapes and dtypes,
+so every rank computes the same one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+DEFAULT_BUCKET_BYTES = 4 << 20
+"""Large enough that per-collective latency is a small share, small enough that the first bucket
+is ready early in backprop."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one gradient lives in its bucket."""
+
+    variable: int
+    """Index of the variable in the list the plan was made for."""
+    offset: int
+    """First element in the bucket."""
+    shape: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Gradients of one dtype, all-reduced as one flat buffer."""
+
+    dtype: np.dtype
+    slots: tuple[Slot, ...]
+
+    @property
+    def count(self) -> int:
+        last = self.slots[-1]
+        return last.offset + last.count
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+def plan_buckets(
+    specs: Sequence[tuple[tuple[int, ...], np.dtype] | None], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> tuple[Bucket, ...]:
+    """Pack the gradients described by `specs` (shape and dtype per variable, in variable order;
+    None for a variable left out, e.g. one with a sparse gradient) into buckets.
+
+    Raises:
+        ValueError: `bucket_bytes` is not positive.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[Bucket] = []
+    slots: list[Slot] = []
+    dtype: np.dtype | None = None
+    filled = 0
+    for variable in reversed(range(len(specs))):
+        spec = specs[variable]
+        if spec is None:
+            continue
+        shape, spec_dtype = tuple(int(d) for d in spec[0]), np.dtype(spec[1])
+        nbytes = math.prod(shape) * spec_dtype.itemsize
+        if slots and (spec_dtype != dtype or filled + nbytes > bucket_bytes):
+            buckets.append(Bucket(dtype, tuple(slots)))
+            slots, filled = [], 0
+        dtype = spec_dtype
+        slots.append(Slot(variable, filled // spec_dtype.itemsize, shape))
+        filled += nbytes
+    if slots:
+        buckets.append(Bucket(dtype, tuple(slots)))
+    return tuple(buckets)

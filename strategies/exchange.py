@@ -1,0 +1,137 @@
+"""One training step's all-reduce of dense gradients, bucket by bucket, as gradients arrive.
+
+Gradients are copied into their bucket's buffer the moment backprop produces them (`deposit`).
+A bucket's all-reduce is started once the bucket is full *and* every bucket before it has been
+started, so every rank starts the same all-reduces in the same order whatever order its
+gradients arrived in (the communicator pairs the k-th collective of each rank). The all-reduces run
+on the communicator's thread while backprop goes on; `collect` waits for a bucket and returns its
+gradients, averaged over ranks when asked.
+
+This module knows nothing of TensorFlow: it sees numpy arrays, so the same code serves eager
+gradient hooks and the numpy functions of a `tf.function` graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from collectives import Communicator, Work
+
+from .buckets import Bucket
+from .compression import Compressor
+from .timeline import COMMUNICATION, Timeline
+
+
+class BucketExchange:
+    """The buckets of one gradient layout; reused step after step (buffers are allocated once)."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        buckets: Sequence[Bucket],
+        *,
+        average: bool,
+        compressor: Compressor,
+        timeline: Timeline | None = None,
+    ) -> None:
+        self.comm = comm
+        self.buckets = tuple(buckets)
+        self.average = average
+        self.compressor = compressor
+        self.timeline = timeline
+        self.step = 0
+        self._buffers = [np.empty(bucket.count, dtype=bucket.dtype) for bucket in self.buckets]
+        self._where = {
+            slot.variable: (index, slot) for index, bucket in enumerate(self.buckets) for slot in bucket.slots
+        }
+        self._lock = threading.Lock()
+        self._reset()
+
+    @property
+    def variables(self) -> frozenset[int]:
+        """Indices of the variables whose gradients go through these buckets."""
+        return frozenset(self._where)
+
+    def deposit(self, variable: int, gradient: np.ndarray) -> None:
+        """Copy one gradient into its bucket; start every bucket that is now ready, in order.
+
+        Raises:
+            ValueError: the gradient's size differs from its variable's, or it came twice this step.
+        """
+        index, slot = self._where[variable]
+        flat = np.asarray(gradient).reshape(-1)
+        if flat.size != slot.count:
+            raise ValueError(f"gradient of variable {variable} has {flat.size} elements, its variable {slot.count}")
+        with self._lock:
+            if variable in self._arrived:
+                raise ValueError(f"gradient of variable {variable} was handed over twice in step {self.step}")
+            self._buffers[index][slot.offset : slot.offset + slot.count] = flat
+            self._arrived.add(variable)
+            self._missing[index] -= 1
+            self._start_ready()
+
+    def fill_missing(self) -> None:
+        """Zeros for every variable with no gradient this step (it contributes nothing), then start
+        all remaining buckets."""
+        with self._lock:
+            for variable, (index, slot) in self._where.items():
+                if variable not in self._arrived:
+                    self._buffers[index][slot.offset : slot.offset + slot.count] = 0
+                    self._arrived.add(variable)
+                    self._missing[index] -= 1
+            self._start_ready()
+
+    def collect(self, index: int) -> list[np.ndarray]:
+        """Wait for bucket `index` and return its gradients (one array per slot, in slot order).
+
+        When the last bucket of the step has been collected, the exchange is ready for the next step.
+        """
+        work = self._works[index]
+        if work is None:
+            raise RuntimeError(f"bucket {index} was collected before all its gradients arrived")
+        reduced = self.compressor.decompress(work.wait(), self._contexts[index])
+        if self.average and self.comm.size > 1:
+            reduced = reduced / np.asarray(self.comm.size, dtype=reduced.dtype)
+        self._record(index, work)
+        bucket = self.buckets[index]
+        gradients = [reduced[s.offset : s.offset + s.count].reshape(s.shape) for s in bucket.slots]
+        with self._lock:
+            self._collected += 1
+            if self._collected == len(self.buckets):
+                self._reset()
+        return gradients
+
+    def collect_all(self) -> dict[int, np.ndarray]:
+        """Wait for every bucket; the averaged gradients by variable index."""
+        self.fill_missing()
+        result: dict[int, np.ndarray] = {}
+        for index, bucket in enumerate(self.buckets):
+            for slot, gradient in zip(bucket.slots, self.collect(index)):
+                result[slot.variable] = gradient
+        return result
+
+    def _start_ready(self) -> None:
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            wire, self._contexts[self._next] = self.compressor.compress(self._buffers[self._next])
+            self._works[self._next] = self.comm.allreduce_async(wire)
+            self._next += 1
+
+    def _reset(self) -> None:
+        self._arrived: set[int] = set()
+        self._missing = [len(bucket.slots) for bucket in self.buckets]
+        self._works: list[Work | None] = [None] * len(self.buckets)
+        self._contexts: list[object] = [None] * len(self.buckets)
+        self._next = 0
+        self._collected = 0
+        self.step += 1
+
+    def _record(self, index: int, work: Work) -> None:
+        if self.timeline is not None and work.started_at is not None and work.finished_at is not None:
+            bucket = self.buckets[index]
+            self.timeline.record(
+                f"bucket {index}", COMMUNICATION, work.started_at, work.finished_at,
+                step=self.step, bytes=bucket.nbytes, gradients=len(bucket.slots),
+            )

@@ -1,0 +1,300 @@
+"""strategies/: buckets, compression, fingerprints, the exchange, the timeline (no TensorFlow
+needed), the TensorFlow API on the threads backend, and whole training runs in real processes
+over gRPC (launcher) and MPI (mpiexec)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import collectives
+import test_processes
+from collectives import MismatchError, run_threads
+from strategies.buckets import plan_buckets
+from strategies.compression import Compression
+from strategies.exchange import BucketExchange
+from strategies.fingerprint import check_same_everywhere
+from strategies.timeline import Timeline, hidden_fraction, load_trace, rank_path
+from strategies.uneven import allgather_rows
+
+HAS_TF = importlib.util.find_spec("tensorflow") is not None
+needs_tf = pytest.mark.skipif(not HAS_TF, reason="tensorflow not installed (.[tf])")
+TRAIN_CHECK = str(Path(__file__).with_name("tf_scripts") / "train_check.py")
+
+F32 = np.dtype(np.float32)
+
+
+# -- buckets, compression, fingerprint, uneven gather: no TensorFlow ------------------------------
+
+
+def test_buckets_fill_in_reverse_variable_order_and_split_by_size_and_dtype() -> None:
+    specs = [((4,), F32), ((2, 3), F32), None, ((100,), F32), ((5,), np.dtype(np.float64)), ((1,), F32)]
+    buckets = plan_buckets(specs, bucket_bytes=64)
+    assert [[s.variable for s in b.slots] for b in buckets] == [[5], [4], [3], [1, 0]]
+    assert [b.dtype for b in buckets] == [F32, np.float64, F32, F32]
+    assert buckets[3].slots[1].offset == 6 and buckets[3].count == 10
+    assert buckets[2].nbytes == 400  # larger than a bucket: alone
+
+
+def test_buckets_refuse_a_non_positive_size() -> None:
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        plan_buckets([((1,), F32)], bucket_bytes=0)
+
+
+def test_fp16_compression_halves_floats_and_leaves_integers() -> None:
+    values = np.linspace(-3, 3, 11, dtype=np.float32)
+    wire, context = Compression.fp16.compress(values)
+    assert wire.dtype == np.float16
+    restored = Compression.fp16.decompress(wire, context)
+    assert restored.dtype == np.float32 and np.allclose(restored, values, atol=2e-3)
+    integers = np.arange(4)
+    assert Compression.fp16.compress(integers)[0] is integers
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_allgather_rows_accepts_a_different_row_count_on_every_rank(world_size: int) -> None:
+    def body(comm: collectives.Communicator) -> np.ndarray:
+        return allgather_rows(comm, np.full((comm.rank, 2), comm.rank, dtype=np.int64))
+
+    expected = np.concatenate([np.full((r, 2), r) for r in range(world_size)])
+    for result in run_threads(body, world_size, timeout=20):
+        np.testing.assert_array_equal(result, expected)
+
+
+def test_fingerprint_passes_when_ranks_agree_and_names_the_first_difference_otherwise() -> None:
+    def agreeing(comm: collectives.Communicator) -> None:
+        check_same_everywhere(comm, ["a (2,) float32", "b (3,) float32"])
+
+    run_threads(agreeing, 3, timeout=20)
+
+    def disagreeing(comm: collectives.Communicator) -> str:
+        entries = ["a (2,) float32", "b (3,) float32"] + (["extra (1,) float32"] if comm.rank == 2 else [])
+        with pytest.raises(MismatchError) as raised:
+            check_same_everywhere(comm, entries)
+        return str(raised.value)
+
+    messages = run_threads(disagreeing, 3, timeout=20)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"rank {rank}:")
+        assert "rank 0 has 2 and rank 2 has 3" in message and "'extra (1,) float32'" in message
+
+
+# -- the exchange ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compression", [None, Compression.fp16], ids=["plain", "fp16"])
+def test_exchange_averages_whatever_order_gradients_arrive_in(compression) -> None:
+    """Ranks hand gradients over in different orders; buckets still start in the same order on
+    every rank, and every rank gets the same average."""
+    shapes = [(3,), (2, 2), (5,), (1,)]
+    buckets = plan_buckets([(s, F32) for s in shapes], bucket_bytes=24)
+
+    def body(comm: collectives.Communicator) -> list[dict[int, np.ndarray]]:
+        exchange = BucketExchange(comm, buckets, average=True, compressor=compression or Compression.none)
+        results = []
+        for step in range(3):
+            order = np.random.default_rng(comm.rank * 10 + step).permutation(len(shapes))
+            for variable in order:
+                exchange.deposit(int(variable), np.full(shapes[variable], comm.rank + step + variable, np.float32))
+            results.append(exchange.collect_all())
+        return results
+
+    runs = run_threads(body, 3, timeout=20)
+    for step in range(3):
+        for variable in range(len(shapes)):
+            expected = np.full(shapes[variable], 1 + step + variable, np.float32)  # mean of ranks 0..2
+            for run in runs:
+                np.testing.assert_array_equal(run[step][variable], expected)
+
+
+def test_exchange_sends_zeros_for_missing_gradients_and_refuses_duplicates_and_wrong_sizes() -> None:
+    buckets = plan_buckets([((2,), F32), ((2,), F32)], bucket_bytes=1024)
+
+    def body(comm: collectives.Communicator) -> dict[int, np.ndarray]:
+        exchange = BucketExchange(comm, buckets, average=False, compressor=Compression.none)
+        with pytest.raises(ValueError, match="has 3 elements, its variable 2"):
+            exchange.deposit(0, np.zeros(3, np.float32))
+        if comm.rank == 0:
+            exchange.deposit(0, np.ones(2, np.float32))
+            with pytest.raises(ValueError, match="handed over twice"):
+                exchange.deposit(0, np.ones(2, np.float32))
+        return exchange.collect_all()
+
+    for result in run_threads(body, 2, timeout=20):
+        np.testing.assert_array_equal(result[0], [1, 1])
+        np.testing.assert_array_equal(result[1], [0, 0])
+
+
+# -- timeline ---------------------------------------------------------------------------------------
+
+
+def test_timeline_files_are_per_rank_readable_unclosed_and_measure_hidden_communication(tmp_path: Path) -> None:
+    assert rank_path("t.json", 0, 1) == "t.json"
+    assert rank_path("t.json", 2, 4) == "t.rank2.json"
+    assert rank_path("t-{rank}.json", 3, 4) == "t-3.json"
+    timeline = Timeline(tmp_path / "trace.json", rank=1, size=2)
+    origin = timeline._origin
+    timeline.record("backprop", "backprop", origin + 0.0, origin + 0.010, step=1)
+    timeline.record("bucket 0", "communication", origin + 0.006, origin + 0.014, step=1)
+    timeline.record("bucket 1", "communication", origin + 0.014, origin + 0.016, step=1)
+    events = load_trace(tmp_path / "trace.rank1.json")
+    assert [e["name"] for e in events] == ["backprop", "bucket 0", "bucket 1"]
+    assert events == json.loads(json.dumps(timeline.events))
+    assert hidden_fraction(events) == pytest.approx(0.4)  # 4 ms of 10 ms overlapped
+    assert hidden_fraction(events, step=2) == 0.0
+
+
+# -- TensorFlow on the threads backend --------------------------------------------------------------
+
+
+@needs_tf
+def test_tensor_collectives_eagerly_and_in_tf_function() -> None:
+    """Two ranks: in one process, the ranks' tf.functions share TensorFlow's inter-op thread pool,
+    and a collective op holds a pool thread until every rank's op runs (see strategies.ops)."""
+    import tensorflow as tf
+
+    from strategies import allgather, allreduce, broadcast
+
+    def body(comm: collectives.Communicator):
+        value = tf.constant([1.0, 2.0]) * (comm.rank + 1)
+        rows = tf.fill([comm.rank + 1, 2], comm.rank)
+
+        @tf.function
+        def in_graph(v, r):
+            return allreduce(v, op="max", comm=comm), allgather(r, comm=comm), broadcast(v, root=1, comm=comm)
+
+        eager = (allreduce(value, comm=comm), allgather(rows, comm=comm), broadcast(value, root=1, comm=comm))
+        return [t.numpy() for t in (*eager, *in_graph(value, rows))]
+
+    for summed, gathered, broadcast_value, maximum, gathered_graph, broadcast_graph in run_threads(body, 2, timeout=60):
+        np.testing.assert_array_equal(summed, [3.0, 6.0])
+        np.testing.assert_array_equal(maximum, [2.0, 4.0])
+        expected_rows = np.array([[0, 0], [1, 1], [1, 1]])
+        np.testing.assert_array_equal(gathered, expected_rows)
+        np.testing.assert_array_equal(gathered_graph, expected_rows)
+        np.testing.assert_array_equal(broadcast_value, [2.0, 4.0])
+        np.testing.assert_array_equal(broadcast_graph, [2.0, 4.0])
+
+
+@needs_tf
+def test_broadcast_variables_copies_model_and_optimizer_state_from_the_root() -> None:
+    import keras
+
+    from strategies import broadcast_variables
+
+    def body(comm: collectives.Communicator):
+        keras.utils.set_random_seed(comm.rank)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.Adam()
+        optimizer.build(model.trainable_variables)
+        optimizer.iterations.assign(comm.rank + 5)
+        broadcast_variables(model.variables + optimizer.variables, root=1, comm=comm)
+        return [v.numpy() for v in model.variables + optimizer.variables]
+
+    results = run_threads(body, 3, timeout=60)
+    for result in results[1:]:
+        for mine, root in zip(result, results[0]):
+            np.testing.assert_array_equal(mine, root)
+    assert int(results[0][2]) == 6  # iterations of rank 1
+
+
+@needs_tf
+def test_aggregator_averages_dense_gathers_sparse_and_keeps_none() -> None:
+    import tensorflow as tf
+
+    from strategies import GradientAggregator
+
+    def body(comm: collectives.Communicator):
+        dense = tf.fill([2, 3], float(comm.rank))
+        sparse = tf.IndexedSlices(tf.fill([comm.rank + 1, 2], float(comm.rank + 1)), tf.range(comm.rank + 1), tf.constant([5, 2]))
+        gathered = GradientAggregator(comm).aggregate([dense, sparse, None])
+        densified = GradientAggregator(comm, sparse_as_dense=True, average=False).aggregate([sparse])
+        return gathered, densified
+
+    for (dense, sparse, missing), (densified,) in run_threads(body, 2, timeout=60):
+        np.testing.assert_array_equal(dense.numpy(), np.full((2, 3), 0.5))
+        assert isinstance(sparse, tf.IndexedSlices)
+        np.testing.assert_array_equal(sparse.indices.numpy(), [0, 0, 1])
+        np.testing.assert_array_equal(sparse.values.numpy(), [[0.5, 0.5], [1.0, 1.0], [1.0, 1.0]])
+        assert missing is None
+        np.testing.assert_array_equal(densified.numpy()[:2], [[3, 3], [2, 2]])
+
+
+@needs_tf
+def test_eager_hooks_hand_gradients_over_during_backprop(tmp_path: Path) -> None:
+    """From the second eager step on, gradients reach the buckets during `tape.gradient`, and the
+    first bucket's all-reduce starts before backprop ends."""
+    import keras
+    import tensorflow as tf
+
+    from strategies import DistributedGradientTape
+
+    def body(comm: collectives.Communicator):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), *[keras.layers.Dense(64, activation="relu") for _ in range(4)], keras.layers.Dense(1)])
+        tape = DistributedGradientTape(comm=comm, model=model, bucket_bytes=20 << 10, timeline=tmp_path / "trace-{rank}.json")
+        for _ in range(3):
+            with tape:
+                loss = tf.reduce_sum(model(tf.ones((32, 8))))
+            tape.gradient(loss, model.trainable_variables)
+        return len(tape._handed_over), len(model.trainable_variables)
+
+    for handed_over, variables in run_threads(body, 2, timeout=60):
+        assert handed_over == variables
+    for rank in range(2):
+        events = load_trace(tmp_path / f"trace-{rank}.json")
+        backprop = next(e for e in events if e["cat"] == "backprop" and e["args"]["step"] == 3)
+        first = next(e for e in events if e["name"] == "bucket 0" and e["args"]["step"] == 3)
+        assert first["ts"] < backprop["ts"] + backprop["dur"]
+
+
+@needs_tf
+def test_missing_tensorflow_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from strategies import _tensorflow
+
+    _tensorflow.tensorflow.cache_clear()
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    try:
+        with pytest.raises(collectives.BackendUnavailableError, match=r"\.\[tf\]"):
+            _tensorflow.tensorflow()
+    finally:
+        _tensorflow.tensorflow.cache_clear()
+
+
+# -- whole training runs in real processes -----------------------------------------------------------
+
+CASES = ["eager", "graph", "sparse", "fp16", "overlap-eager", "overlap-graph"]
+
+
+def _assert_cases_passed(result, ranks: int, cases: list[str]) -> None:
+    assert result.returncode == 0, result.stdout
+    for rank in range(ranks):
+        for case in cases:
+            assert f"rank {rank}: {case} ok" in result.stdout, result.stdout
+
+
+@needs_tf
+@pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[grpc])")
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_training_matches_one_process_on_the_global_batch_over_grpc(ranks: int) -> None:
+    cases = CASES if ranks == 2 else ["eager", "graph", "sparse"]
+    command = [sys.executable, "-m", "collectives.launch", "-n", str(ranks), TRAIN_CHECK, *cases, "mismatch"]
+    _assert_cases_passed(test_processes.run_job(command), ranks, [*cases, "mismatch"])
+
+
+@needs_tf
+@pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or not os.access(test_processes.MPIEXEC, os.X_OK),
+    reason="mpi4py / mpiexec not installed (.[mpi])",
+)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_training_matches_one_process_on_the_global_batch_over_mpi(ranks: int) -> None:
+    cases = CASES if ranks == 2 else ["eager", "graph", "fp16"]
+    command = [test_processes.MPIEXEC, "-n", str(ranks), sys.executable, TRAIN_CHECK, *cases, "mismatch"]
+    _assert_cases_passed(test_processes.run_job(command), ranks, [*cases, "mismatch"])
