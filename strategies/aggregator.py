@@ -31,7 +31,7 @@ import numpy as np
 
 from collectives import Communicator
 
-from ._tensorflow import communicator, tensorflow
+from ._tensorflow import as_array, as_tensor, communicator, tensorflow
 from .buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from .compression import Compression, Compressor
 from .exchange import BucketExchange
@@ -147,19 +147,19 @@ class GradientAggregator:
                 if variable in handed_over:
                     _check_handed_over(handed_over[variable], gradient, entries[variable])
                 else:
-                    exchange.deposit(variable, gradient.numpy())
+                    exchange.deposit(variable, as_array(gradient))
         dense = exchange.collect_all()
         self.steps += 1
         self.last_exchange = exchange
         results: list[Any] = []
         for variable, kind in enumerate(kinds):
             # sparse gradients are filled in below, in a fixed order after the dense buckets
-            results.append(tf.convert_to_tensor(dense[variable]) if kind == DENSE else None)
+            results.append(as_tensor(dense[variable]) if kind == DENSE else None)
         for variable in reversed(range(len(gradients))):
             if kinds[variable] == SPARSE:
                 gradient = gradients[variable]
-                values, indices = self._gather_sparse(gradient.values.numpy(), gradient.indices.numpy())
-                results[variable] = tf.IndexedSlices(tf.convert_to_tensor(values), tf.convert_to_tensor(indices), gradient.dense_shape)
+                values, indices = self._gather_sparse(as_array(gradient.values), as_array(gradient.indices))
+                results[variable] = tf.IndexedSlices(as_tensor(values), as_tensor(indices), gradient.dense_shape)
         return results
 
     def aggregate_handed_over(

@@ -4,8 +4,9 @@ Small all-reduces are latency-bound, so gradients are fused into buckets of abou
 `bucket_bytes`. Buckets are filled in reverse variable order, the order in which backprop produces
 gradients (last layer first, as PyTorch DDP does), so the first bucket is complete early and its
 all-reduce runs while backprop continues. A bucket holds one dtype; a gradient larger than the
-bucket size gets a bucket of its own. The plan depends only on the variables' shapes and dtypes,
-so every rank computes the same one.
+bucket size gets a bucket of its own. Each gradient starts at a 64-byte boundary of its bucket, so
+that its share of the result can become a tensor without a copy. The plan depends only on the
+variables' shapes and dtypes, so every rank computes the same one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+
+from ._tensorflow import ALIGNMENT
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 """Large enough that per-collective latency is a small share, small enough that the first bucket
@@ -74,6 +77,7 @@ def plan_buckets(
             continue
         shape, spec_dtype = tuple(int(d) for d in spec[0]), np.dtype(spec[1])
         nbytes = math.prod(shape) * spec_dtype.itemsize
+        filled = -(-filled // ALIGNMENT) * ALIGNMENT
         if slots and (spec_dtype != dtype or filled + nbytes > bucket_bytes):
             buckets.append(Bucket(dtype, tuple(slots)))
             slots, filled = [], 0

@@ -20,6 +20,7 @@ import numpy as np
 
 from collectives import Communicator, Work
 
+from ._tensorflow import aligned_empty
 from .buckets import Bucket
 from .compression import Compressor
 from .timeline import COMMUNICATION, Timeline
@@ -43,7 +44,7 @@ class BucketExchange:
         self.compressor = compressor
         self.timeline = timeline
         self.step = 0
-        self._buffers = [np.empty(bucket.count, dtype=bucket.dtype) for bucket in self.buckets]
+        self._buffers = [np.zeros(bucket.count, dtype=bucket.dtype) for bucket in self.buckets]  # padding stays 0
         self._where = {
             slot.variable: (index, slot) for index, bucket in enumerate(self.buckets) for slot in bucket.slots
         }
@@ -94,7 +95,7 @@ class BucketExchange:
             raise RuntimeError(f"bucket {index} was collected before all its gradients arrived")
         reduced = self.compressor.decompress(work.wait(), self._contexts[index])
         if self.average and self.comm.size > 1:
-            reduced = reduced / np.asarray(self.comm.size, dtype=reduced.dtype)
+            np.divide(reduced, np.asarray(self.comm.size, dtype=reduced.dtype), out=reduced)
         self._record(index, work)
         bucket = self.buckets[index]
         gradients = [reduced[s.offset : s.offset + s.count].reshape(s.shape) for s in bucket.slots]
@@ -116,7 +117,8 @@ class BucketExchange:
     def _start_ready(self) -> None:
         while self._next < len(self.buckets) and self._missing[self._next] == 0:
             wire, self._contexts[self._next] = self.compressor.compress(self._buffers[self._next])
-            self._works[self._next] = self.comm.allreduce_async(wire)
+            result = aligned_empty(wire.shape, wire.dtype)  # fresh each step: tensors may share it
+            self._works[self._next] = self.comm.allreduce_async(wire, out=result)
             self._next += 1
 
     def _reset(self) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from collectives import Communicator
 
-from ._tensorflow import tensorflow
+from ._tensorflow import as_array, tensorflow
 from .aggregator import GradientAggregator
 from .buckets import DEFAULT_BUCKET_BYTES
 from .compression import Compressor
@@ -158,7 +158,7 @@ class DistributedGradientTape:
             if not self.aggregator.sparse_as_dense:
                 return
             gradient = tf.convert_to_tensor(gradient)
-        exchange.deposit(variable, gradient.numpy())
+        exchange.deposit(variable, as_array(gradient))
         self._handed_over[variable] = gradient
 
     def _hooked_sources(self, sources: Sequence[Any]) -> bool:

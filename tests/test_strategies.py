@@ -35,10 +35,10 @@ F32 = np.dtype(np.float32)
 
 def test_buckets_fill_in_reverse_variable_order_and_split_by_size_and_dtype() -> None:
     specs = [((4,), F32), ((2, 3), F32), None, ((100,), F32), ((5,), np.dtype(np.float64)), ((1,), F32)]
-    buckets = plan_buckets(specs, bucket_bytes=64)
+    buckets = plan_buckets(specs, bucket_bytes=128)
     assert [[s.variable for s in b.slots] for b in buckets] == [[5], [4], [3], [1, 0]]
     assert [b.dtype for b in buckets] == [F32, np.float64, F32, F32]
-    assert buckets[3].slots[1].offset == 6 and buckets[3].count == 10
+    assert buckets[3].slots[1].offset == 16 and buckets[3].count == 20  # starts at byte 64: aligned
     assert buckets[2].nbytes == 400  # larger than a bucket: alone
 
 
@@ -237,11 +237,11 @@ def test_eager_hooks_hand_gradients_over_during_backprop(tmp_path: Path) -> None
 
     def body(comm: collectives.Communicator):
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8,)), *[keras.layers.Dense(64, activation="relu") for _ in range(4)], keras.layers.Dense(1)])
-        tape = DistributedGradientTape(comm=comm, model=model, bucket_bytes=20 << 10, timeline=tmp_path / "trace-{rank}.json")
+        model = keras.Sequential([keras.Input((256,)), *[keras.layers.Dense(256, activation="relu") for _ in range(6)], keras.layers.Dense(1)])
+        tape = DistributedGradientTape(comm=comm, model=model, bucket_bytes=300 << 10, timeline=tmp_path / "trace-{rank}.json")
         for _ in range(3):
             with tape:
-                loss = tf.reduce_sum(model(tf.ones((32, 8))))
+                loss = tf.reduce_sum(model(tf.ones((1024, 256))))
             tape.gradient(loss, model.trainable_variables)
         return len(tape._handed_over), len(model.trainable_variables)
 

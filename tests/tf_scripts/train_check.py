@@ -120,15 +120,16 @@ def check_mismatch(comm: collectives.Communicator) -> None:
 
 def check_overlap(comm: collectives.Communicator, graph: bool) -> None:
     """In the timeline of a step after the first, the first bucket's all-reduce starts before
-    backprop ends, and some communication is hidden."""
+    backprop ends. Small buckets, so that bucket 0 holds only the last layer, whose gradients
+    come first (TensorFlow's executor may compute a layer's weight gradient late)."""
     trace = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"collectives-overlap-{os.getppid()}-{graph}-{{rank}}.json")
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((16, 16, 8)), *[keras.layers.Conv2D(32, 3, padding="same", activation="relu") for _ in range(4)],
          keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)]
     )
-    data = [(np.ones((16, 16, 16, 8), np.float32), np.zeros(16, np.int32))] * 3
-    tape_factory = lambda: DistributedGradientTape(comm=comm, model=model, bucket_bytes=40 << 10, timeline=trace)  # noqa: E731
+    data = [(np.ones((64, 16, 16, 8), np.float32), np.zeros(64, np.int32))] * 3
+    tape_factory = lambda: DistributedGradientTape(comm=comm, model=model, bucket_bytes=2 << 10, timeline=trace)  # noqa: E731
     train(model, data, tape_factory, graph)
     events = load_trace(trace.format(rank=comm.rank))
     os.remove(trace.format(rank=comm.rank))
