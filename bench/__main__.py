@@ -14,8 +14,6 @@ simulated time, prediction, auto's choice and its regret on a simulated cluster 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +24,7 @@ import numpy as np
 
 from collectives import ALLREDUCE_ALGORITHMS, NATIVE, run_threads
 
+from .handoff import Row, read_rows, write_rows
 from .measure import Measurement, format_table, measure_allreduce
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -188,13 +187,12 @@ def _run_as_rank(measure, output_path: str) -> int:
     comm = collectives.init()
     rows = measure(comm)
     if comm.rank == 0:
-        with open(output_path, "w") as output:
-            json.dump([dataclasses.asdict(row) for row in rows], output)
+        write_rows(output_path, rows)
     comm.close()
     return 0
 
 
-def _run_in_processes(backend: str, ranks: int, per_node: int | None, argv: list[str]) -> list[Measurement] | None:
+def _run_in_processes(backend: str, ranks: int, per_node: int | None, argv: list[str]) -> list[Row] | None:
     """Start `ranks` processes of this benchmark through the launcher and collect rank 0's rows."""
     with tempfile.TemporaryDirectory() as scratch:
         output_path = os.path.join(scratch, "rows.json")
@@ -206,8 +204,7 @@ def _run_in_processes(backend: str, ranks: int, per_node: int | None, argv: list
         if finished.returncode != 0 or not os.path.exists(output_path):
             print(f"the {backend} ranks failed (exit code {finished.returncode}):\n{finished.stdout}", file=sys.stderr)
             return None
-        with open(output_path) as rows:
-            return [Measurement(**row) for row in json.load(rows)]
+        return read_rows(output_path)
 
 
 if __name__ == "__main__":
