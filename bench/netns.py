@@ -266,7 +266,7 @@ def run_on_emulated_nodes(args: argparse.Namespace, argv: Sequence[str]) -> list
         with tempfile.TemporaryDirectory() as scratch, EmulatedCluster(args.emulate_nodes, args.inter_gbit) as cluster:
             print(cluster.describe(), flush=True)
             output_path = os.path.join(scratch, "rows.json")
-            code = _run_ranks(cluster, args.ranks_per_node, [*argv, "--worker-output", output_path], args.emulate_timeout)
+            code = _start_ranks_on_nodes(cluster, args.ranks_per_node, [*argv, "--worker-output", output_path], args.emulate_timeout)
             if code != 0 or not os.path.exists(output_path):
                 print(f"python -m bench: the ranks on the emulated nodes failed (exit code {code})", file=sys.stderr)
                 return None
@@ -276,7 +276,7 @@ def run_on_emulated_nodes(args: argparse.Namespace, argv: Sequence[str]) -> list
         return None
 
 
-def _run_ranks(cluster: EmulatedCluster, ranks_per_node: int, bench_arguments: Sequence[str], timeout: float) -> int:
+def _start_ranks_on_nodes(cluster: EmulatedCluster, ranks_per_node: int, bench_arguments: Sequence[str], timeout: float) -> int:
     """Start every rank inside its node's namespace, as the launcher would on one machine."""
     placement = [(node, local) for node in cluster.nodes for local in range(ranks_per_node)]
     addresses = [f"{node.address}:{FIRST_PORT + local}" for node, local in placement]
