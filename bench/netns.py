@@ -22,7 +22,8 @@ Everything lives inside namespaces this process creates, named after its pid: th
 interfaces, addresses and routes are never touched, and the private subnet cannot collide with
 anything outside them. Deleting a namespace deletes its veth ends and qdiscs, so cleanup is one
 `ip netns delete` per namespace this instance created, run when the `with` block ends however it
-ends (SIGTERM and SIGHUP become SystemExit for that) and from atexit as a last resort.
+ends (SIGTERM and SIGHUP become SystemExit for that; while ranks run, the launcher's supervision
+takes the signal, stops them and returns) and from atexit as a last resort.
 
 Without root, `ip` or `tc` (or grpcio), `resolve_arguments` says why in one line and runs the
 equivalent simulated cluster instead (`--backend simulated`, bench.simulated).
@@ -268,7 +269,7 @@ def run_on_emulated_nodes(args: argparse.Namespace, argv: Sequence[str]) -> list
             output_path = os.path.join(scratch, "rows.json")
             code = _start_ranks_on_nodes(cluster, args.ranks_per_node, [*argv, "--worker-output", output_path], args.emulate_timeout)
             if code != 0 or not os.path.exists(output_path):
-                print(f"python -m bench: the ranks on the emulated nodes failed (exit code {code})", file=sys.stderr)
+                print(f"python -m bench: the ranks on the emulated nodes stopped with exit code {code}, no results", file=sys.stderr)
                 return None
             return read_rows(output_path)
     except NetnsError as error:

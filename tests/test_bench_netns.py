@@ -218,10 +218,11 @@ def test_sigterm_during_a_real_run_stops_the_ranks_and_removes_the_namespaces() 
         assert leftover_namespaces(process.pid), "the namespaces should exist while it runs"
         time.sleep(1.0)  # the ranks are up
         process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
+        output, _ = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 128 + signal.SIGTERM
+    assert process.returncode == 1, output
+    assert f"stopped with exit code {128 + signal.SIGTERM}" in output  # the launcher stopped the ranks
     assert leftover_namespaces(process.pid) == []
 
