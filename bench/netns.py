@@ -312,7 +312,14 @@ def comparison(rows: Sequence[Row]) -> str:
         if "ring" in times and "hierarchical" in times:
             parts.append(f"hierarchical {times['ring'] / times['hierarchical']:.2f}x as fast as ring")
         choice = choices.get(nbytes)
-        parts.append(f"auto -> {choice} ({'matches' if choice == fastest else 'differs'})" if choice else "auto's choice: add --explain")
+        if choice is None:
+            parts.append("auto's choice: add --explain")
+        elif choice == fastest:
+            parts.append(f"auto -> {choice} (the fastest)")
+        elif choice in times:
+            parts.append(f"auto -> {choice} ({times[choice] / times[fastest] - 1:+.1%} against the fastest)")
+        else:
+            parts.append(f"auto -> {choice} (not measured here)")
         lines.append("; ".join(parts))
     return "\n".join(lines)
 

@@ -175,7 +175,9 @@ def test_comparison_reports_the_ratio_and_whether_auto_matches() -> None:
     rows = [(row("ring", 0.3), explanation), (row("hierarchical", 0.2), explanation), (row("auto", 0.2), explanation)]
     text = netns.comparison(rows)
     assert "defaults, not probed" in text
-    assert "fastest measured hierarchical; hierarchical 1.50x as fast as ring; auto -> hierarchical (matches)" in text
+    assert "fastest measured hierarchical; hierarchical 1.50x as fast as ring; auto -> hierarchical (the fastest)" in text
+    ring_chosen = Explanation(16 << 20, {}, {}, "ring", DEFAULT_LINK_COSTS, False)
+    assert "auto -> ring (+50.0% against the fastest)" in netns.comparison([(row("ring", 0.3), ring_chosen), (row("hierarchical", 0.2), ring_chosen)])
 
 
 # -- real namespaces (root, ip and tc only) ----------------------------------------------------------
