@@ -9,13 +9,14 @@ of 4. With `--backend mpi` or `--backend grpc` the ranks are real processes, sta
 prediction for every row and marks the algorithm auto picks, so the table shows why.
 `--backend simulated --nodes N --ranks-per-node L --intra ALPHA,GBPS --inter ALPHA,GBPS` prints
 simulated time, prediction, auto's choice and its regret on a simulated cluster (bench.simulated).
+`--emulate-nodes N --ranks-per-node L --inter-gbit G` runs the gRPC ranks on N nodes emulated with
+Linux network namespaces, their links rate-limited to G Gbit/s (bench.netns; root only, else the
+equivalent simulated cluster).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,8 @@ import numpy as np
 
 from collectives import ALLREDUCE_ALGORITHMS, NATIVE, run_threads
 
+from . import netns
+from .handoff import Row, read_rows, write_rows
 from .measure import Measurement, format_table, measure_allreduce
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -84,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     simulated.add_argument("--inter", type=_link, default="10e-6,5", help="ALPHA_SECONDS,GB_PER_S (default 10e-6,5)")
     simulated.add_argument("--nic", type=float, default=10, help="GB/s through each node's NIC (default 10)")
     simulated.add_argument("--gamma", type=float, default=20, help="reduction GB/s (default 20)")
+    emulated = parser.add_argument_group(
+        "emulated nodes (bench.netns: Linux network namespaces, needs root; else runs the equivalent simulated cluster)"
+    )
+    emulated.add_argument("--emulate-nodes", type=int, default=None, metavar="N", help="run the grpc ranks in N network namespaces, --ranks-per-node each (default 2)")
+    emulated.add_argument("--inter-gbit", type=float, default=1.0, help="rate limit of each node's link, each way, in Gbit/s (default 1)")
+    emulated.add_argument("--emulate-timeout", type=float, default=netns.DEFAULT_RUN_TIMEOUT_SECONDS, metavar="SECONDS", help="stop the ranks after this long (default 600)")
     parser.add_argument("--worker-output", help=argparse.SUPPRESS)  # set when started as a rank
     return parser
 
@@ -100,6 +109,12 @@ def _link(text: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.emulate_nodes is not None and not args.worker_output:
+        try:
+            args = netns.resolve_arguments(args)
+        except ValueError as error:
+            print(f"python -m bench: {error}", file=sys.stderr)
+            return 2
     if args.backend == "simulated":
         return _simulated(args)
     algorithms = [a.strip() for a in (args.algorithms or _DEFAULT_ALGORITHMS[args.backend]).split(",") if a.strip()]
@@ -134,15 +149,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.backend == "threads":
         rows = run_threads(measure, ranks, ranks_per_node=per_node)[0]
+    elif args.emulate_nodes is not None:
+        rows = netns.run_on_emulated_nodes(args, sys.argv[1:] if argv is None else list(argv))
+        if rows is None:
+            return 1
     else:
         rows = _run_in_processes(args.backend, ranks, per_node, sys.argv[1:] if argv is None else list(argv))
         if rows is None:
             return 1
     if args.explain:
         print(format_explained(rows))
-        rows = [row for row, _ in rows]
     else:
         print(format_table(rows))
+    if args.emulate_nodes is not None:
+        print(netns.comparison(rows))
+    if args.explain:
+        rows = [row for row, _ in rows]
     return 1 if any(row.wrong for row in rows) else 0
 
 
@@ -188,13 +210,12 @@ def _run_as_rank(measure, output_path: str) -> int:
     comm = collectives.init()
     rows = measure(comm)
     if comm.rank == 0:
-        with open(output_path, "w") as output:
-            json.dump([dataclasses.asdict(row) for row in rows], output)
+        write_rows(output_path, rows)
     comm.close()
     return 0
 
 
-def _run_in_processes(backend: str, ranks: int, per_node: int | None, argv: list[str]) -> list[Measurement] | None:
+def _run_in_processes(backend: str, ranks: int, per_node: int | None, argv: list[str]) -> list[Row] | None:
     """Start `ranks` processes of this benchmark through the launcher and collect rank 0's rows."""
     with tempfile.TemporaryDirectory() as scratch:
         output_path = os.path.join(scratch, "rows.json")
@@ -206,8 +227,7 @@ def _run_in_processes(backend: str, ranks: int, per_node: int | None, argv: list
         if finished.returncode != 0 or not os.path.exists(output_path):
             print(f"the {backend} ranks failed (exit code {finished.returncode}):\n{finished.stdout}", file=sys.stderr)
             return None
-        with open(output_path) as rows:
-            return [Measurement(**row) for row in json.load(rows)]
+        return read_rows(output_path)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Mapping, Sequence
 
 from .bootstrap import (
     ENV_ADDRESSES,
@@ -101,9 +101,29 @@ def _raise_terminated(signum: int, _frame: object) -> None:
     raise _Terminated(signum)
 
 
-def _supervise(ranks: list[_Rank]) -> int:
-    """Wait for every rank; on the first failure, an interrupt or a termination signal stop the
-    rest. Returns the exit code."""
+def run_ranks(jobs: Sequence[tuple[str, Sequence[str], Mapping[str, str]]], timeout: float | None = None) -> int:
+    """Start every (label, command, environment) job, forward its output prefixed with `label`,
+    and wait for all; on the first failure, after `timeout` seconds, on Ctrl-C, SIGTERM or SIGHUP,
+    or on any exception, stop every job still running. Returns the exit code. Call it from the
+    main thread (it sets signal handlers while it waits).
+
+    Other tools that place ranks themselves (in network namespaces, say) reuse this supervision.
+    """
+    lock = threading.Lock()
+    ranks: list[_Rank] = []
+    try:
+        for label, command, env in jobs:
+            ranks.append(_Rank(label, command, dict(env), lock))
+        return _supervise(ranks, timeout)
+    except BaseException:
+        _stop_all(ranks)
+        raise
+
+
+def _supervise(ranks: list[_Rank], timeout: float | None = None) -> int:
+    """Wait for every rank; on the first failure, at `timeout`, on an interrupt or a termination
+    signal stop the rest. Returns the exit code."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
@@ -111,6 +131,10 @@ def _supervise(ranks: list[_Rank]) -> int:
             failed = next((r for r, code in zip(ranks, codes) if code not in (None, 0)), None)
             if failed is not None or None not in codes:
                 break
+            if deadline is not None and time.monotonic() > deadline:
+                _stop_all(ranks)
+                print(f"collectives.launch: the job did not finish within {timeout:g} s; stopped every rank", file=sys.stderr)
+                return 124
             time.sleep(0.05)
     except KeyboardInterrupt:
         _stop_all(ranks)
@@ -180,11 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         print("collectives.launch: --ranks-per-node must be at least 1", file=sys.stderr)
         return 2
-    base_env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_BACKEND: args.backend})
-    if args.ranks_per_node is not None:
-        base_env[ENV_RANKS_PER_NODE] = str(args.ranks_per_node)
     command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
-    lock = threading.Lock()
     if args.backend == "mpi":
         mpiexec = _find_mpiexec()
         if mpiexec is None:
@@ -193,15 +213,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        ranks = [_Rank("", [mpiexec, "-prepend-rank", "-n", str(args.nprocs), *command], base_env, lock)]
-    else:
-        addresses = ",".join(f"127.0.0.1:{port}" for port in free_loopback_ports(args.nprocs))
-        shared = {ENV_WORLD_SIZE: str(args.nprocs), ENV_ADDRESSES: addresses, ENV_SECRET: secrets.token_hex(16)}
-        ranks = [
-            _Rank(f"[{rank}] ", command, {**base_env, **shared, ENV_RANK: str(rank)}, lock)
-            for rank in range(args.nprocs)
-        ]
-    return _supervise(ranks)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_BACKEND: "mpi"})
+        if args.ranks_per_node is not None:
+            env[ENV_RANKS_PER_NODE] = str(args.ranks_per_node)
+        return run_ranks([("", [mpiexec, "-prepend-rank", "-n", str(args.nprocs), *command], env)])
+    addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(args.nprocs)]
+    environments = grpc_rank_environments(addresses, ranks_per_node=args.ranks_per_node)
+    return run_ranks([(f"[{rank}] ", command, env) for rank, env in enumerate(environments)])
+
+
+def grpc_rank_environments(
+    addresses: Sequence[str], *, ranks_per_node: int | None = None, base: Mapping[str, str] | None = None
+) -> list[dict[str, str]]:
+    """The environment of each gRPC rank of a job whose rank r listens on `addresses[r]`.
+
+    `base` (default: this process's environment) plus what `collectives.init()` reads: the backend,
+    the rank, the world size, every address and one fresh shared secret for the whole job, and the
+    emulated node size if given. Unbuffered output, so that prefixed lines arrive as printed.
+    """
+    shared = dict(os.environ if base is None else base)
+    shared.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            ENV_BACKEND: "grpc",
+            ENV_WORLD_SIZE: str(len(addresses)),
+            ENV_ADDRESSES: ",".join(addresses),
+            ENV_SECRET: secrets.token_hex(16),
+        }
+    )
+    if ranks_per_node is not None:
+        shared[ENV_RANKS_PER_NODE] = str(ranks_per_node)
+    return [{**shared, ENV_RANK: str(rank)} for rank in range(len(addresses))]
 
 
 def _find_mpiexec() -> str | None:

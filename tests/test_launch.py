@@ -161,3 +161,20 @@ def test_bad_arguments_are_refused(arguments: list[str], message: str) -> None:
     )
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_run_ranks_stops_every_rank_at_the_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    """`run_ranks` (shared with bench's emulated nodes) bounds the whole job: ranks still running
+    at the timeout are stopped, the exit code is 124 and the reason is printed."""
+    from collectives.launch import run_ranks
+
+    sleeper = [sys.executable, "-c", "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"]
+    started = time.monotonic()
+    code = run_ranks([(f"[{rank}] ", sleeper, os.environ) for rank in range(2)], timeout=3.0)
+    assert code == 124
+    assert time.monotonic() - started < 30
+    captured = capsys.readouterr()
+    assert "did not finish within 3 s" in captured.err
+    pids = [int(line.split()[-1]) for line in captured.out.splitlines() if " pid " in line]
+    assert len(pids) == 2
+    assert not [pid for pid in pids if alive(pid)], "a rank outlived its timeout"
