@@ -2,8 +2,8 @@
 
 For each case, every rank trains the same model on its own slice of each global batch through
 `DistributedGradientTape`, and rank 0 also trains a second copy alone on the whole global batch.
-Checked: the distributed variables match the single-process ones to float32 tolerance, and are
-bit-identical on every rank. Prints "rank R: CASE ok" per passed case; exits non-zero otherwise.
+Checked: the distributed variables match the single-process ones to float32 tolerance, are
+bit-identical on every rank, and a `tf.function` step is traced once, not once per step. Prints "rank R: CASE ok" per passed case; exits non-zero otherwise.
 
     python -m collectives.launch -n 2 tests/tf_scripts/train_check.py eager graph sparse fp16 overlap-eager
     mpiexec -n 2 python tests/tf_scripts/train_check.py mismatch
@@ -61,6 +61,8 @@ def train(model: keras.Model, data, tape_factory, graph: bool) -> None:
     run = tf.function(step) if graph else step
     for x, y in data:
         run(tf.constant(x), tf.constant(y))
+    if graph and run.experimental_get_tracing_count() != 1:
+        raise AssertionError(f"the training step was traced {run.experimental_get_tracing_count()} times, not once")
 
 
 class PlainTape:
