@@ -64,7 +64,7 @@ def format_table(result: SweepResult) -> str:
 
 def format_explained(result: SweepResult) -> str:
     """Measured out-of-place time beside the model's (tuned, if tuned) prediction; `*` marks auto's pick."""
-    lines = [f"{'size':>12} {'algorithm':>18} {'measured(us)':>13} {'model(us)':>11} {'auto':>5} {'#wrong':>7}"]
+    lines = [f"{'size':>12} {'algorithm':>18} {'measured(us)':>13} {'model(us)':>11} {'auto':>18} {'#wrong':>7}"]
     for row in result.rows:
         if row.placement != OUT_OF_PLACE or row.algorithm == COPY_BOUND:
             continue
@@ -72,7 +72,7 @@ def format_explained(result: SweepResult) -> str:
         predicted = result.predicted.get(row.nbytes, {}).get(row.algorithm)
         model = f"{predicted * 1e6:>11.1f}" if predicted is not None else f"{'-':>11}"
         mark = choice if row.algorithm == "auto" else ("*" if row.algorithm == choice else "")
-        lines.append(f"{row.nbytes:>12} {row.algorithm:>18} {row.seconds * 1e6:>13.1f} {model} {mark:>5} {row.wrong:>7}")
+        lines.append(f"{row.nbytes:>12} {row.algorithm:>18} {row.seconds * 1e6:>13.1f} {model} {mark:>18} {row.wrong:>7}")
     return "\n".join(lines)
 
 
