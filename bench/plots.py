@@ -79,7 +79,7 @@ def plot_scaling(points: Sequence[ScalingPoint], path: str, title: str, note: st
     assumptions) is printed under the axes.
     """
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, ax = plt.subplots(figsize=(13, 6))
     clusters = list(dict.fromkeys(p.cluster for p in points))
     styles = ["-", "--", ":", "-."]
     for (cluster, algorithm, source) in dict.fromkeys((p.cluster, p.algorithm, p.source) for p in points):
@@ -103,7 +103,7 @@ def plot_scaling(points: Sequence[ScalingPoint], path: str, title: str, note: st
     ax.set_ylabel("scaling efficiency (%) = compute / (compute + exposed communication)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no point hidden
     fig.text(0.01, 0.01, note, fontsize=7, va="bottom", wrap=True)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
