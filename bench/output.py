@@ -18,7 +18,7 @@ import platform
 import socket
 import sys
 from importlib import metadata
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from .measure import COPY_BOUND, IN_PLACE, OUT_OF_PLACE, Measurement, SweepResult
 
@@ -157,7 +157,3 @@ def to_dict(result: SweepResult) -> dict[str, Any]:
         "predicted": {str(k): v for k, v in result.predicted.items()},
     }
 
-
-def summarize(rows: Sequence[Measurement]) -> int:
-    """Total `#wrong` over all rows: the exit status is non-zero when it is."""
-    return sum(row.wrong for row in rows)
