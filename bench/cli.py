@@ -21,6 +21,7 @@ import argparse
 
 import numpy as np
 
+from backends.simulated import Link
 from collectives import ALLREDUCE_ALGORITHMS, NATIVE, REDUCTION_DTYPES
 from collectives.ops import ReduceOp
 
@@ -74,9 +75,7 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _link(text: str):
-    from backends.simulated import Link
-
+def _link(text: str) -> Link:
     try:
         alpha, gbps = (float(x) for x in text.split(","))
         return Link(alpha, gbps * 1e9)
