@@ -1,12 +1,21 @@
-"""Timing of all-reduce algorithms on a live communicator, nccl-tests style.
+"""Timing of collectives on a live communicator, nccl-tests style.
 
 Each iteration starts right after a barrier and its time is the slowest rank's (a collective is
-only done when every rank is); the reported time is the median over iterations. Algorithms are
-interleaved round by round at each size, so a burst of machine noise hits all of them alike.
-The payload is chosen so that the exact result is known, and `wrong` counts elements that differ.
+only done when every rank is); the reported time is the median over iterations. Algorithms and
+placements are interleaved round by round at each size, so a burst of machine noise hits all of
+them alike. Every placement is timed twice, like nccl-tests:
+
+- out-of-place: separate input and output buffers;
+- in-place: the output is the input buffer (`out=x`; for reduce_scatter and allgather the rank's
+  block of the large buffer, as NCCL defines it). The input is refilled before every iteration,
+  outside the timed region, so the result stays exactly checkable.
+
+Outputs are poisoned (zeroed: no correct value is zero) before every iteration, so an iteration
+that writes nothing cannot pass on the previous one's result; `wrong` counts elements that differ
+from the exact expected result (`bench.payloads`), summed over ranks and iterations.
 
 Beside the algorithms, every size gets a `copy-bound` row: all ranks copy their input to their
-output at once, with numpy, and nothing else. Any all-reduce must at least read each input and
+output at once, with numpy, and nothing else. Any collective must at least read each input and
 write each output, so on a memory-bound machine this is the fastest any algorithm can be; its
 busbw is the ceiling the algorithms are measured against.
 """
@@ -15,29 +24,52 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable
 
 import numpy as np
 
 from collectives import Communicator
+from collectives.ops import ReduceOp
+
+from .payloads import REDUCING, expected_output, input_count, make_input, output_count
 
 COPY_BOUND = "copy-bound"
+OUT_OF_PLACE = "out-of-place"
+IN_PLACE = "in-place"
+PLACEMENTS = (OUT_OF_PLACE, IN_PLACE)
+
+FIXED_ALGORITHM = {"reduce_scatter": "ring", "allgather": "ring", "broadcast": "tree"}
+"""The one algorithm the library has for each collective other than all-reduce."""
+
+
+def bus_factor(collective: str, ranks: int) -> float:
+    """nccl-tests' busbw / algbw: what each rank's busiest link carries per byte of `size`."""
+    if ranks <= 1 or collective == "broadcast":
+        return 1.0
+    if collective == "allreduce":
+        return 2 * (ranks - 1) / ranks
+    return (ranks - 1) / ranks
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One row of the results table."""
+    """One (size, algorithm, placement) cell of the results."""
 
     nbytes: int
+    """nccl-tests' size: bytes of the large buffer (see `bench.payloads`)."""
     count: int
     dtype: str
     op: str
+    """The reduction, or "none" for allgather and broadcast."""
     algorithm: str
     seconds: float
     """Median over iterations of the slowest rank's time."""
     ranks: int
     wrong: int
     """Elements differing from the exact expected result, summed over ranks and iterations."""
+    collective: str = "allreduce"
+    placement: str = OUT_OF_PLACE
+    root: int = 0
 
     @property
     def algbw(self) -> float:
@@ -46,92 +78,152 @@ class Measurement:
 
     @property
     def busbw(self) -> float:
-        """`algbw * 2(p-1)/p`: comparable with link bandwidth whatever the rank count."""
-        return self.algbw * 2 * (self.ranks - 1) / self.ranks if self.ranks > 1 else self.algbw
+        """`algbw` times the collective's bus factor: comparable with link bandwidth whatever p."""
+        return self.algbw * bus_factor(self.collective, self.ranks)
 
 
-def payload(rank: int, count: int, dtype: np.dtype) -> np.ndarray:
-    """Small integers, exact in every dtype, different on every rank and element."""
-    return ((np.arange(count) % 7 + 1) * (rank + 1)).astype(dtype)
+@dataclass(frozen=True)
+class SweepSpec:
+    """What to measure; identical on every rank."""
+
+    collective: str
+    sizes: tuple[int, ...]
+    algorithms: tuple[str, ...]
+    dtype: str = "float32"
+    op: str = "sum"
+    root: int = 0
+    warmup: int = 2
+    iterations: int = 9
+    rounds: int = 3
+    placements: tuple[str, ...] = PLACEMENTS
 
 
-def expected_sum(size: int, count: int, dtype: np.dtype) -> np.ndarray:
-    """The exact all-reduce sum of `payload` over `size` ranks."""
-    return ((np.arange(count) % 7 + 1) * (size * (size + 1) // 2)).astype(dtype)
+class _Buffers:
+    """One size's buffers on one rank, and the calls that run the collective into them."""
+
+    def __init__(self, comm: Communicator, spec: SweepSpec, count: int) -> None:
+        self.comm, self.spec = comm, spec
+        self.op = ReduceOp.parse(spec.op)
+        dtype = np.dtype(spec.dtype)
+        size, rank = comm.size, comm.rank
+        self.src = make_input(spec.collective, self.op, rank, size, count, dtype)
+        self.expected = expected_output(spec.collective, self.op, rank, size, count, dtype, spec.root)
+        self.dst = np.zeros(output_count(spec.collective, count, size), dtype)
+        self.large = np.zeros(max(input_count(spec.collective, count, size), output_count(spec.collective, count, size)), dtype)
+        block = count // size
+        self.mine = slice(rank * block, (rank + 1) * block)
+
+    def refill(self, placement: str) -> None:
+        """Untimed: poison the output and, in place, restore the input the last call overwrote."""
+        if placement == OUT_OF_PLACE:
+            self.dst.fill(0)
+        elif self.spec.collective == "allgather":
+            self.large.fill(0)
+            self.large[self.mine] = self.src
+        else:
+            np.copyto(self.large, self.src)
+
+    def run(self, algorithm: str, placement: str) -> np.ndarray:
+        """One collective call; returns the array holding this rank's result."""
+        comm, spec, collective = self.comm, self.spec, self.spec.collective
+        if placement == OUT_OF_PLACE:
+            src, out = self.src, self.dst
+        elif collective == "reduce_scatter":
+            src, out = self.large, self.large[self.mine]
+        elif collective == "allgather":
+            src, out = self.large[self.mine], self.large
+        else:
+            src, out = self.large, self.large
+        if collective == "allreduce":
+            return comm.allreduce(src, self.op, algorithm=algorithm, out=out)
+        if collective == "reduce_scatter":
+            return comm.reduce_scatter(src, self.op, out=out)
+        if collective == "allgather":
+            return comm.allgather(src, out=out)
+        return comm.broadcast(src, spec.root, out=out)
+
+    def wrong(self, result: np.ndarray) -> int:
+        return int(np.count_nonzero(result != self.expected))
 
 
-def measure_allreduce(
+def measure(
     comm: Communicator,
-    sizes: Sequence[int],
-    algorithms: Sequence[str],
-    *,
-    dtype: str = "float32",
-    warmup: int = 2,
-    iterations: int = 10,
-    rounds: int = 3,
+    spec: SweepSpec,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Measurement]:
-    """Time `algorithms` at every size in bytes; run on every rank, same arguments everywhere.
+    """Time `spec` on every rank (same arguments everywhere); returns the same rows on every rank.
 
-    Each algorithm runs `warmup` untimed iterations, then `rounds` rounds of `iterations // rounds`
-    (at least one) timed iterations, interleaved with the other algorithms.
+    Each (algorithm, placement) runs `warmup` untimed iterations, then `rounds` rounds of
+    `iterations // rounds` (at least one) timed iterations, interleaved with the others.
+    `progress` is called after each round of each cell (`progress_steps` times), with a label.
     """
-    np_dtype = np.dtype(dtype)
-    per_round = max(1, iterations // rounds)
+    np_dtype = np.dtype(spec.dtype)
+    per_round = max(1, spec.iterations // spec.rounds)
+    cells = [(a, p) for a in spec.algorithms for p in spec.placements]
     rows = []
-    for nbytes in sizes:
+    for nbytes in spec.sizes:
         count = nbytes // np_dtype.itemsize
-        src = payload(comm.rank, count, np_dtype)
-        dst = np.empty_like(src)
-        expected = expected_sum(comm.size, count, np_dtype)
-        times: dict[str, list[float]] = {a: [] for a in algorithms}
-        wrong = {a: 0 for a in algorithms}
-        for algorithm in algorithms:
-            for _ in range(warmup):
-                comm.allreduce(src, algorithm=algorithm, out=dst)
-        times[COPY_BOUND] = []
-        for _ in range(rounds):
-            for algorithm in algorithms:
+        if spec.collective in ("reduce_scatter", "allgather"):
+            count -= count % comm.size
+        buffers = _Buffers(comm, spec, count)
+        times: dict[tuple[str, str], list[float]] = {cell: [] for cell in [*cells, (COPY_BOUND, OUT_OF_PLACE)]}
+        wrong = dict.fromkeys(times, 0)
+        for algorithm, placement in cells:
+            for _ in range(spec.warmup):
+                buffers.refill(placement)
+                buffers.run(algorithm, placement)
+        for _ in range(spec.rounds):
+            for algorithm, placement in cells:
                 for _ in range(per_round):
+                    buffers.refill(placement)
                     comm.barrier()
                     start = time.perf_counter()
-                    comm.allreduce(src, algorithm=algorithm, out=dst)
-                    times[algorithm].append(time.perf_counter() - start)
-                    wrong[algorithm] += int(np.count_nonzero(dst != expected))
+                    result = buffers.run(algorithm, placement)
+                    times[algorithm, placement].append(time.perf_counter() - start)
+                    wrong[algorithm, placement] += buffers.wrong(result)
+                if progress is not None:
+                    progress(f"{nbytes} B {algorithm} {placement}")
             for _ in range(per_round):
                 comm.barrier()
                 start = time.perf_counter()
-                np.copyto(dst, src)
-                times[COPY_BOUND].append(time.perf_counter() - start)
-        wrong[COPY_BOUND] = 0
-        for algorithm in [*algorithms, COPY_BOUND]:
-            slowest = comm.allreduce(np.array(times[algorithm]), op="max")
-            total_wrong = int(comm.allreduce(np.array([wrong[algorithm]], dtype=np.int64))[0])
+                np.copyto(buffers.dst[: buffers.src.size], buffers.src[: buffers.dst.size])
+                times[COPY_BOUND, OUT_OF_PLACE].append(time.perf_counter() - start)
+            if progress is not None:
+                progress(f"{nbytes} B {COPY_BOUND}")
+        for (algorithm, placement), samples in times.items():
+            slowest = comm.allreduce(np.array(samples), op="max")
+            total_wrong = int(comm.allreduce(np.array([wrong[algorithm, placement]], dtype=np.int64))[0])
             rows.append(
                 Measurement(
                     nbytes=count * np_dtype.itemsize,
                     count=count,
                     dtype=np_dtype.name,
-                    op="sum",
+                    op=spec.op if spec.collective in REDUCING else "none",
                     algorithm=algorithm,
                     seconds=float(np.median(slowest)),
                     ranks=comm.size,
                     wrong=total_wrong,
+                    collective=spec.collective,
+                    placement=placement,
+                    root=spec.root,
                 )
             )
     return rows
 
 
-def format_table(rows: Sequence[Measurement]) -> str:
-    """The nccl-tests columns (plus the algorithm), one line per measurement."""
-    header = (
-        f"{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'algorithm':>18} "
-        f"{'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}"
-    )
-    lines = [header]
-    for row in rows:
-        lines.append(
-            f"{row.nbytes:>12} {row.count:>12} {row.dtype:>8} {row.op:>6} {row.algorithm:>18} "
-            f"{row.seconds * 1e6:>11.1f} {row.algbw / 1e9:>12.3f} {row.busbw / 1e9:>12.3f} "
-            f"{row.wrong:>7}"
-        )
-    return "\n".join(lines)
+def progress_steps(spec: SweepSpec) -> int:
+    """How many times `measure` calls its `progress` callback."""
+    return len(spec.sizes) * spec.rounds * (len(spec.algorithms) * len(spec.placements) + 1)
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """A sweep's rows and, for all-reduce, what auto picks at each measured size and why."""
+
+    rows: list[Measurement]
+    choices: dict[int, str]
+    """Auto's algorithm per payload size in bytes (all-reduce only; empty otherwise)."""
+    predicted: dict[int, dict[str, float]]
+    """The selector's (tuned, if tuned) predicted seconds per candidate, per payload size."""
+    link_costs: str = ""
+    """The link costs the selector worked from, in words (all-reduce only)."""

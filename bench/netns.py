@@ -35,6 +35,7 @@ import argparse
 import atexit
 import importlib.util
 import ipaddress
+import json
 import os
 import shlex
 import shutil
@@ -48,10 +49,10 @@ from types import FrameType, TracebackType
 from typing import Callable, Sequence
 
 from collectives.launch import grpc_rank_environments, run_ranks
-from collectives.topology import LinkCosts
 
-from .handoff import Row, read_rows
-from .measure import Measurement
+from .cli import UsageError
+from .measure import COPY_BOUND, OUT_OF_PLACE, SweepResult
+from .output import result_from_dict
 
 NAMESPACE_PREFIX = "coll-"
 """Every namespace created here is named `coll-<pid>-...`, the pid of the process that made it."""
@@ -62,7 +63,6 @@ FIRST_PORT = 29500
 COMMAND_TIMEOUT_SECONDS = 20.0
 """Bound on each `ip` / `tc` command."""
 MAX_NODES = SUBNET.num_addresses - 2
-DEFAULT_RUN_TIMEOUT_SECONDS = 600.0
 TBF_LATENCY = "20ms"
 """How long a packet may wait in a token bucket's queue before it is dropped (TCP backs off)."""
 TBF_MIN_BURST_BYTES = 128 * 1024
@@ -229,21 +229,23 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
     namespaces cannot be made, the equivalent simulated cluster (saying why on stderr).
 
     Raises:
-        ValueError: options that contradict each other or the emulation.
+        UsageError: options that contradict each other or the emulation.
     """
     nodes = args.emulate_nodes
     if not 2 <= nodes <= MAX_NODES:
-        raise ValueError(f"--emulate-nodes needs 2 to {MAX_NODES} nodes, got {nodes}")
+        raise UsageError(f"--emulate-nodes needs 2 to {MAX_NODES} nodes, got {nodes}")
     if args.backend not in ("threads", "grpc"):  # threads is the default, i.e. not chosen
-        raise ValueError(f"--emulate-nodes runs the grpc backend, not --backend {args.backend}")
+        raise UsageError(f"--emulate-nodes runs the grpc backend, not --backend {args.backend}")
     if not args.inter_gbit > 0:
-        raise ValueError(f"--inter-gbit must be positive, got {args.inter_gbit}")
-    per_node = args.ranks_per_node or (args.ranks // nodes if args.ranks else 2)
+        raise UsageError(f"--inter-gbit must be positive, got {args.inter_gbit}")
+    if args.ranks_per_node is not None and len(args.ranks_per_node) > 1:
+        raise UsageError("--emulate-nodes makes nodes of equal size: give one number of ranks per node")
+    per_node = args.ranks_per_node[0] if args.ranks_per_node else (args.ranks // nodes if args.ranks else 2)
     if per_node < 1 or (args.ranks is not None and args.ranks != nodes * per_node):
-        raise ValueError(f"-n {args.ranks} does not make {nodes} nodes of {per_node} ranks (--emulate-nodes x --ranks-per-node)")
+        raise UsageError(f"-n {args.ranks} does not make {nodes} nodes of {per_node} ranks (--emulate-nodes x --ranks-per-node)")
     reason = emulation_unavailable_reason()
     if reason is None:
-        return argparse.Namespace(**{**vars(args), "backend": "grpc", "ranks": nodes * per_node, "ranks_per_node": per_node})
+        return argparse.Namespace(**{**vars(args), "backend": "grpc", "ranks": nodes * per_node, "ranks_per_node": [per_node]})
     from backends.simulated import Link
 
     bandwidth = args.inter_gbit * 1e9 / 8
@@ -253,27 +255,28 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             **vars(args),
             "backend": "simulated",
             "nodes": nodes,
-            "ranks_per_node": per_node,
+            "ranks_per_node": [per_node],
             "inter": Link(args.inter.alpha, bandwidth),
             "nic": bandwidth / 1e9,
         }
     )
 
 
-def run_on_emulated_nodes(args: argparse.Namespace, argv: Sequence[str]) -> list[Row] | None:
+def run_on_emulated_nodes(args: argparse.Namespace, argv: Sequence[str]) -> SweepResult | None:
     """Run `python -m bench argv` as the gRPC ranks of `args.emulate_nodes` emulated nodes.
 
-    Returns rank 0's rows, or None after saying on stderr what failed (a command, a rank).
+    Returns rank 0's result, or None after saying on stderr what failed (a command, a rank).
     """
     try:
         with tempfile.TemporaryDirectory() as scratch, EmulatedCluster(args.emulate_nodes, args.inter_gbit) as cluster:
             print(cluster.describe(), flush=True)
-            output_path = os.path.join(scratch, "rows.json")
-            code = _start_ranks_on_nodes(cluster, args.ranks_per_node, [*argv, "--worker-output", output_path], args.emulate_timeout)
+            output_path = os.path.join(scratch, "result.json")
+            code = _start_ranks_on_nodes(cluster, args.ranks_per_node[0], [*argv, "--worker-output", output_path], args.emulate_timeout)
             if code != 0 or not os.path.exists(output_path):
                 print(f"python -m bench: the ranks on the emulated nodes stopped with exit code {code}, no results", file=sys.stderr)
                 return None
-            return read_rows(output_path)
+            with open(output_path) as stream:
+                return result_from_dict(json.load(stream))
     except NetnsError as error:
         print(f"python -m bench: emulated nodes: {error}", file=sys.stderr)
         return None
@@ -291,45 +294,25 @@ def _start_ranks_on_nodes(cluster: EmulatedCluster, ranks_per_node: int, bench_a
     return run_ranks(jobs, timeout)
 
 
-def comparison(rows: Sequence[Row]) -> str:
-    """Per size: hierarchical against ring, auto's choice, and the fastest algorithm measured."""
-    lines = []
+def comparison(result: SweepResult) -> str:
+    """Per size: hierarchical against ring, auto's choice, and the fastest algorithm measured
+    (out-of-place times), after the link costs the selector worked from."""
     measured: dict[int, dict[str, float]] = {}
-    choices: dict[int, str] = {}
-    costs: LinkCosts | None = None
-    for row in rows:
-        measurement, explanation = (row, None) if isinstance(row, Measurement) else row
-        if explanation is not None:
-            choices[measurement.nbytes] = explanation.choice
-            costs = explanation.costs
-        if measurement.algorithm != "copy-bound" and measurement.algorithm != "auto":
-            measured.setdefault(measurement.nbytes, {})[measurement.algorithm] = measurement.seconds
-    if costs is not None:
-        lines.append(_describe_costs(costs))
+    for row in result.rows:
+        if row.placement == OUT_OF_PLACE and row.algorithm not in (COPY_BOUND, "auto"):
+            measured.setdefault(row.nbytes, {})[row.algorithm] = row.seconds
+    lines = [f"# {result.link_costs}"] if result.link_costs else []
     for nbytes, times in measured.items():
         fastest = min(times, key=times.__getitem__)
         parts = [f"# {nbytes} bytes: fastest measured {fastest}"]
         if "ring" in times and "hierarchical" in times:
             parts.append(f"hierarchical {times['ring'] / times['hierarchical']:.2f}x as fast as ring")
-        choice = choices.get(nbytes)
-        if choice is None:
-            parts.append("auto's choice: add --explain")
-        elif choice == fastest:
+        choice = result.choices.get(nbytes)
+        if choice == fastest:
             parts.append(f"auto -> {choice} (the fastest)")
         elif choice in times:
             parts.append(f"auto -> {choice} ({times[choice] / times[fastest] - 1:+.1%} against the fastest)")
-        else:
+        elif choice is not None:
             parts.append(f"auto -> {choice} (not measured here)")
         lines.append("; ".join(parts))
     return "\n".join(lines)
-
-
-def _describe_costs(costs: LinkCosts) -> str:
-    def gbit(beta: float) -> str:
-        return f"{8 / beta / 1e9:.2f} Gbit/s" if beta > 0 else "unmeasurably fast"
-
-    source = "probed" if costs.measured else "defaults, not probed (add --probe)"
-    return (
-        f"# link costs ({source}): intra {costs.intra.alpha * 1e6:.0f} us {gbit(costs.intra.beta)}, "
-        f"inter {costs.inter.alpha * 1e6:.0f} us {gbit(costs.inter.beta)}, NIC {gbit(costs.nic_beta)}"
-    )

@@ -17,9 +17,10 @@ from typing import Callable, Sequence
 import pytest
 
 from bench import netns
-from bench.__main__ import build_parser, main
-from bench.measure import Measurement
-from collectives.selector import Explanation
+from bench.cli import build_parser
+from bench.commands import main
+from bench.measure import Measurement, SweepResult
+from bench.output import describe_link_costs
 from collectives.topology import DEFAULT_LINK_COSTS
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def setup_command_count(nodes: int) -> int:
 
 def test_emulation_options_are_parsed() -> None:
     args = build_parser().parse_args(["--emulate-nodes", "3", "--ranks-per-node", "2", "--inter-gbit", "2.5", "--emulate-timeout", "30"])
-    assert (args.emulate_nodes, args.ranks_per_node, args.inter_gbit, args.emulate_timeout) == (3, 2, 2.5, 30.0)
+    assert (args.emulate_nodes, args.ranks_per_node, args.inter_gbit, args.emulate_timeout) == (3, [2], 2.5, 30.0)
     defaults = build_parser().parse_args([])
     assert defaults.emulate_nodes is None and defaults.inter_gbit == 1.0
 
@@ -84,9 +85,9 @@ def test_contradicting_options_are_refused(arguments: list[str], message: str, c
 def test_ranks_follow_from_nodes_and_ranks_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netns, "emulation_unavailable_reason", lambda: None)
     resolved = netns.resolve_arguments(build_parser().parse_args(["--emulate-nodes", "3", "-n", "6"]))
-    assert (resolved.backend, resolved.ranks, resolved.ranks_per_node) == ("grpc", 6, 2)
+    assert (resolved.backend, resolved.ranks, resolved.ranks_per_node) == ("grpc", 6, [2])
     resolved = netns.resolve_arguments(build_parser().parse_args(["--emulate-nodes", "2", "--ranks-per-node", "3"]))
-    assert (resolved.ranks, resolved.ranks_per_node) == (6, 3)
+    assert (resolved.ranks, resolved.ranks_per_node) == (6, [3])
 
 
 def test_without_root_it_says_so_and_runs_the_simulated_cluster(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,13 +172,11 @@ def test_comparison_reports_the_ratio_and_whether_auto_matches() -> None:
     def row(algorithm: str, seconds: float) -> Measurement:
         return Measurement(nbytes=16 << 20, count=4 << 20, dtype="float32", op="sum", algorithm=algorithm, seconds=seconds, ranks=4, wrong=0)
 
-    explanation = Explanation(16 << 20, {}, {}, "hierarchical", DEFAULT_LINK_COSTS, False)
-    rows = [(row("ring", 0.3), explanation), (row("hierarchical", 0.2), explanation), (row("auto", 0.2), explanation)]
-    text = netns.comparison(rows)
+    rows = [row("ring", 0.3), row("hierarchical", 0.2), row("auto", 0.2)]
+    text = netns.comparison(SweepResult(rows, {16 << 20: "hierarchical"}, {}, describe_link_costs(DEFAULT_LINK_COSTS)))
     assert "defaults, not probed" in text
     assert "fastest measured hierarchical; hierarchical 1.50x as fast as ring; auto -> hierarchical (the fastest)" in text
-    ring_chosen = Explanation(16 << 20, {}, {}, "ring", DEFAULT_LINK_COSTS, False)
-    assert "auto -> ring (+50.0% against the fastest)" in netns.comparison([(row("ring", 0.3), ring_chosen), (row("hierarchical", 0.2), ring_chosen)])
+    assert "auto -> ring (+50.0% against the fastest)" in netns.comparison(SweepResult(rows, {16 << 20: "ring"}, {}))
 
 
 # -- real namespaces (root, ip and tc only) ----------------------------------------------------------
@@ -203,9 +202,9 @@ def test_real_run_is_correct_and_leaves_no_namespace() -> None:
     output, _ = process.communicate(timeout=RUN_TIMEOUT + 30)
     assert process.returncode == 0, output
     assert "coll-" in output and "1 Gbit/s" in output
-    rows = [line.split() for line in output.splitlines() if line.strip().split(" ")[0].isdigit() and len(line.split()) == 9]
-    assert {row[4] for row in rows} == {"ring", "hierarchical", "auto", "copy-bound"}
-    assert all(row[-1] == "0" for row in rows), output  # the #wrong column
+    rows = [line.split() for line in output.splitlines() if line.strip().split(" ")[0].isdigit() and len(line.split()) == 14]
+    assert {row[5].split("->")[0] for row in rows} == {"ring", "hierarchical", "auto", "copy-bound"}
+    assert all(row[9] == "0" and row[13] in ("0", "-") for row in rows), output  # the #wrong columns
     assert leftover_namespaces(process.pid) == []
 
 

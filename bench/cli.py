@@ -1,0 +1,220 @@
+"""The `python -m bench` / `collectives-bench` command line: its options and their checks.
+
+    python -m bench [-c allreduce] [-a ring,tree,...] [-b 4K -e 64M -f 4] [-d float32] [-o sum]
+                    [-w 2 -i 9] [-n 4 --ranks-per-node 2] [--backend threads|mpi|grpc|simulated]
+                    [--csv PATH] [--json PATH] [--plot PATH] [--probe | --tune] [--explain]
+    python -m bench scaling [--plot PATH] [--csv PATH] [--simulate-up-to 128] [--measured 2,4,8]
+
+The first form prints an nccl-tests table (out-of-place and in-place columns, `#wrong` from an exact
+check) for one collective on one backend. With `--backend mpi` or `grpc` the ranks are processes
+started for you (through `collectives.launch`); `--backend simulated` prints the cost model's and
+the simulator's times and auto's regret on a simulated cluster (`bench.simulated`);
+`--emulate-nodes N --inter-gbit G` runs the gRPC ranks on N nodes emulated with Linux network
+namespaces whose links are rate-limited to G Gbit/s (`bench.netns`). The second form
+prints (and plots) data-parallel training efficiency against rank count (`bench.scaling`).
+
+Everything is checked here, before any rank starts, so a bad option is one clear line, never a
+traceback from every rank. What each command does is in `bench.commands`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from backends.simulated import Link
+from collectives import ALLREDUCE_ALGORITHMS, NATIVE, REDUCTION_DTYPES
+from collectives.ops import ReduceOp
+
+from .measure import FIXED_ALGORITHM, SweepSpec
+from .payloads import COLLECTIVES, REDUCING, check_exact
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+DEFAULT_ALLREDUCE = ("ring", "tree", "hierarchical", "hierarchical_tree", "auto")
+"""Every contender; `reference` (the test oracle, all through rank 0) only when asked for."""
+
+
+class UsageError(ValueError):
+    """A command line that parses but does not make sense; printed as one line, exit status 2."""
+
+
+def parse_size(text: str) -> int:
+    """'4K', '64M', '1G' or a plain byte count, as bytes."""
+    text = text.strip().upper().removesuffix("B")
+    unit = text[-1:] if text[-1:] in _UNITS else ""
+    number = text[: len(text) - len(unit)]
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4K, 64M or 1048576)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"size must not be negative, got {text!r}")
+    return value
+
+
+def size_range(begin: int, end: int, factor: int) -> list[int]:
+    """nccl-tests' -b/-e/-f sweep: begin, begin*factor, ... up to end."""
+    if factor < 2:
+        raise UsageError(f"the size factor must be >= 2, got {factor}")
+    sizes = []
+    size = max(begin, 1)
+    while size <= end:
+        sizes.append(size)
+        size *= factor
+    if not sizes:
+        raise UsageError(f"no sizes between -b {begin} and -e {end}")
+    return sizes
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _link(text: str) -> Link:
+    try:
+        alpha, gbps = (float(x) for x in text.split(","))
+        return Link(alpha, gbps * 1e9)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ALPHA_SECONDS,GB_PER_S such as 1e-6,50; got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Compare collective algorithms side by side (nccl-tests style). "
+        "`python -m bench scaling --help` for the training-efficiency model.",
+    )
+    parser.add_argument("--backend", choices=("threads", "mpi", "grpc", "simulated"), default="threads")
+    parser.add_argument("-c", "--collective", choices=COLLECTIVES, default="allreduce")
+    parser.add_argument("-n", "--ranks", type=int, default=None, help="number of ranks (default 4 on threads, 2 otherwise)")
+    parser.add_argument(
+        "--ranks-per-node", type=_int_list, default=None,
+        help="emulated ranks per node (default 2 on threads); on threads also a list of node sizes, e.g. 3,1",
+    )
+    parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"), help="smallest size (default 4K)")
+    parser.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (default 64M)")
+    parser.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier (default 4)")
+    parser.add_argument(
+        "-a", "--algorithms", default=None,
+        help=f"comma-separated all-reduce algorithms from auto,{','.join(ALLREDUCE_ALGORITHMS)},{NATIVE} "
+        f"(native: MPI only); default {','.join(DEFAULT_ALLREDUCE)} (+native on MPI); the other "
+        f"collectives have one algorithm each ({', '.join(f'{c}: {a}' for c, a in FIXED_ALGORITHM.items())})",
+    )
+    parser.add_argument("-d", "--dtype", default="float32", help=f"one of {', '.join(d.name for d in REDUCTION_DTYPES)}")
+    parser.add_argument("-o", "--op", default=None, help="sum, prod, max, min or mean (reducing collectives; default sum)")
+    parser.add_argument("-r", "--root", type=int, default=0, help="broadcast root (default 0)")
+    parser.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations per algorithm and placement")
+    parser.add_argument("-i", "--iters", type=int, default=9, help="timed iterations per algorithm and placement")
+    parser.add_argument("--explain", action="store_true", help="add the model's prediction and auto's choice")
+    parser.add_argument("--probe", action="store_true", help="probe the links first (comm.probe())")
+    parser.add_argument("--tune", action="store_true", help="probe and tune first (comm.tune(), cached)")
+    parser.add_argument("--csv", metavar="PATH", help="write every row as CSV")
+    parser.add_argument("--json", metavar="PATH", help="write rows, parameters and environment as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="draw busbw against size to a PNG (needs matplotlib)")
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bar on stderr (default: only when stderr is a terminal)",
+    )
+    simulated = parser.add_argument_group("simulated backend")
+    simulated.add_argument("--nodes", type=int, default=2)
+    simulated.add_argument("--intra", type=_link, default="1e-6,50", help="ALPHA_SECONDS,GB_PER_S (default 1e-6,50)")
+    simulated.add_argument("--inter", type=_link, default="10e-6,5", help="ALPHA_SECONDS,GB_PER_S (default 10e-6,5)")
+    simulated.add_argument("--nic", type=float, default=10, help="GB/s through each node's NIC (default 10)")
+    simulated.add_argument("--gamma", type=float, default=20, help="reduction GB/s (default 20)")
+    emulated = parser.add_argument_group(
+        "emulated nodes (bench.netns: Linux network namespaces, needs root; else runs the equivalent simulated cluster)"
+    )
+    emulated.add_argument("--emulate-nodes", type=int, default=None, metavar="N", help="run the grpc ranks in N network namespaces, --ranks-per-node each (default 2)")
+    emulated.add_argument("--inter-gbit", type=float, default=1.0, help="rate limit of each node's link, each way, in Gbit/s (default 1)")
+    emulated.add_argument("--emulate-timeout", type=float, default=600.0, metavar="SECONDS", help="stop the ranks after this long (default 600)")
+    parser.add_argument("--worker-output", help=argparse.SUPPRESS)  # set when started as a rank
+    return parser
+
+
+def build_scaling_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench scaling",
+        description="Data-parallel training efficiency against rank count (InceptionV3-sized model) "
+        "on modelled clusters: flat ring vs hierarchical vs auto.",
+    )
+    parser.add_argument("--plot", metavar="PATH", help="draw efficiency against ranks to a PNG")
+    parser.add_argument("--csv", metavar="PATH", help="write the points as CSV")
+    parser.add_argument("--compute-seconds", type=float, default=0.12, help="compute time of one step (default 0.12)")
+    parser.add_argument("--bucket-mib", type=float, default=25, help="gradient bucket size in MiB (default 25)")
+    parser.add_argument(
+        "--simulate-up-to", type=int, default=128,
+        help="also run the simulated backend up to this many ranks (default 128; 0: model only)",
+    )
+    parser.add_argument(
+        "--measured", type=_int_list, default=None, metavar="RANKS",
+        help="also measure on thread ranks of this machine at these rank counts, e.g. 2,4,8",
+    )
+    return parser
+
+
+def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
+    """Check the options against each other and the backend; the `SweepSpec` every rank runs."""
+    collective = args.collective
+    if collective == "allreduce":
+        default = (*DEFAULT_ALLREDUCE, NATIVE) if args.backend == "mpi" else DEFAULT_ALLREDUCE
+        known = {"auto", NATIVE, *ALLREDUCE_ALGORITHMS}
+    else:
+        default = (FIXED_ALGORITHM[collective],)
+        known = set(default)
+    algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip()) if args.algorithms else default
+    unknown = [a for a in algorithms if a not in known]
+    if unknown:
+        raise UsageError(f"unknown algorithm(s) for {collective}: {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
+    if NATIVE in algorithms and args.backend != "mpi":
+        raise UsageError(f"algorithm {NATIVE!r} needs --backend mpi")
+    try:
+        dtype = np.dtype(args.dtype)
+    except TypeError:
+        raise UsageError(f"unknown dtype {args.dtype!r}") from None
+    if dtype not in REDUCTION_DTYPES:
+        raise UsageError(f"dtype {dtype} is not supported; expected one of {', '.join(d.name for d in REDUCTION_DTYPES)}")
+    if args.op is not None and collective not in REDUCING:
+        raise UsageError(f"{collective} takes no reduction op (-o is for {' and '.join(REDUCING)})")
+    try:
+        op = ReduceOp.parse(args.op or "sum")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if op is ReduceOp.MEAN and dtype.kind != "f":
+        raise UsageError(f"op mean needs a floating-point dtype, got {dtype} (use sum, or -d float32)")
+    if not 0 <= args.root < ranks:
+        raise UsageError(f"root must be a rank in 0..{ranks - 1}, got {args.root}")
+    if args.warmup < 0 or args.iters < 1:
+        raise UsageError(f"need -w >= 0 and -i >= 1, got -w {args.warmup} -i {args.iters}")
+    try:
+        check_exact(collective, op, ranks, dtype)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return SweepSpec(
+        collective=collective,
+        sizes=tuple(size_range(args.minbytes, args.maxbytes, args.stepfactor)),
+        algorithms=algorithms,
+        dtype=dtype.name,
+        op=op.value,
+        root=args.root,
+        warmup=args.warmup,
+        iterations=args.iters,
+    )
+
+
+def ranks_per_node(args: argparse.Namespace) -> int | list[int] | None:
+    """The node layout: an int (nodes of that many ranks), node sizes (threads only) or None."""
+    if args.ranks_per_node is None:
+        return 2 if args.backend == "threads" else None
+    sizes = args.ranks_per_node
+    if len(sizes) == 1:
+        return sizes[0]
+    if args.backend != "threads":
+        raise UsageError("a list of node sizes works on the threads backend only; give one number of ranks per node")
+    return sizes

@@ -1,0 +1,110 @@
+"""PNG plots of a sweep (busbw against size) and of the scaling model (efficiency against ranks).
+
+matplotlib is imported here, inside the functions, with the file-only Agg backend: the rest of the
+benchmark works without it (it comes with the `bench` extra), and plotting must not need a display.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from backends.errors import BackendUnavailableError
+
+from .measure import COPY_BOUND, OUT_OF_PLACE, SweepResult
+from .scaling import ScalingPoint
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise BackendUnavailableError("plots need matplotlib: pip install -e '.[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def size_label(nbytes: float) -> str:
+    """4096 -> '4K', 1048576 -> '1M': the nccl-tests way of writing sizes."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{int(nbytes // scale)}{unit}"
+    return f"{int(nbytes)}"
+
+
+def plot_busbw(result: SweepResult, path: str, title: str) -> None:
+    """busbw (GB/s) against size, one line per algorithm (out-of-place), copy-bound dashed.
+
+    For all-reduce a ring marks, at every size, the algorithm auto picks there (`comm.explain`).
+    """
+    plt = _pyplot()
+    rows = [r for r in result.rows if r.placement == OUT_OF_PLACE]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    algorithms = list(dict.fromkeys(r.algorithm for r in rows))
+    for algorithm in algorithms:
+        line = sorted((r.nbytes, r.busbw / 1e9) for r in rows if r.algorithm == algorithm)
+        style = dict(color="grey", linestyle="--") if algorithm == COPY_BOUND else dict(marker=".")
+        ax.plot([x for x, _ in line], [y for _, y in line], label=f"{algorithm} (ceiling)" if algorithm == COPY_BOUND else algorithm, **style)
+    picks = [(r.nbytes, r.busbw / 1e9) for r in rows if result.choices.get(r.nbytes) == r.algorithm]
+    if picks:
+        ax.scatter(
+            [x for x, _ in picks], [y for _, y in picks], s=120, facecolors="none", edgecolors="black", linewidths=1.5,
+            label="auto's pick (model)", zorder=3,
+        )
+    sizes = sorted({r.nbytes for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([size_label(s) for s in sizes], rotation=45 if len(sizes) > 10 else 0)
+    ax.minorticks_off()
+    ax.set_xlabel("message size (bytes per rank)")
+    ax.set_yscale("log")  # small sizes are 100x below large ones; a linear axis hides them
+    ax.set_ylabel("bus bandwidth (GB/s, log scale)")
+    ax.set_title(title, fontsize=9, wrap=True)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_COLORS = {"ring": "tab:blue", "hierarchical": "tab:green", "auto": "tab:red"}
+_MARKERS = {"simulated": "s", "measured": "X"}
+
+
+def plot_scaling(points: Sequence[ScalingPoint], path: str, title: str, note: str) -> None:
+    """Efficiency (%) against rank count: model lines, simulated and measured points as markers.
+
+    Line style tells the cluster kinds apart, colour the algorithm; `note` (the model's
+    assumptions) is printed under the axes.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(13, 6))
+    clusters = list(dict.fromkeys(p.cluster for p in points))
+    styles = ["-", "--", ":", "-."]
+    for (cluster, algorithm, source) in dict.fromkeys((p.cluster, p.algorithm, p.source) for p in points):
+        curve = sorted((p.ranks, p.efficiency * 100) for p in points if (p.cluster, p.algorithm, p.source) == (cluster, algorithm, source))
+        label = f"{algorithm}: {cluster}" + ("" if source == "model" else f" [{source}]")
+        color = _COLORS.get(algorithm, "black")
+        style = styles[clusters.index(cluster) % len(styles)]
+        if source == "model" and algorithm == "auto":  # a wide band under the line auto follows
+            ax.plot(*zip(*curve), color=color, label=label, linewidth=7, alpha=0.25, zorder=1)
+        elif source == "model":
+            ax.plot(*zip(*curve), color=color, linestyle=style, label=label, linewidth=1.6, zorder=2)
+        else:
+            ax.scatter(*zip(*curve), color=color, marker=_MARKERS.get(source, "o"), facecolors="none" if source == "simulated" else color, s=60, label=label, zorder=3)
+    ranks = sorted({p.ranks for p in points})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks)
+    ax.set_xticklabels([str(r) for r in ranks])
+    ax.minorticks_off()
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("ranks (GPUs)")
+    ax.set_ylabel("scaling efficiency (%) = compute / (compute + exposed communication)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no point hidden
+    fig.text(0.01, 0.01, note, fontsize=7, va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

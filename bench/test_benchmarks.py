@@ -1,0 +1,92 @@
+"""pytest-benchmark suite: ring vs tree vs hierarchical (and auto) on the threads backend.
+
+    pytest bench/ --benchmark-only                       # run, grouped by size
+    pytest bench/ --benchmark-only --benchmark-autosave  # save to .benchmarks/
+    pytest bench/ --benchmark-only --benchmark-compare   # compare with the last saved run
+
+4 ranks, 2 per emulated node, at 4 KiB, 1 MiB and 16 MiB of float32.
+
+Why a persistent world: `run_threads` starts 4 threads and builds 4 communicators (a host exchange
+among them) on every call, which costs more than a 4 KiB all-reduce; benchmarking it would time
+start-up, not the algorithm. So the ranks start once per module and wait on a queue each; the
+benchmarked callable hands every rank one all-reduce and waits until all are done. What is timed is
+one collective on all ranks plus two queue hand-offs per rank, the same for every algorithm, so
+the comparison inside a size group is fair (the hand-offs are tens of microseconds; the 4 KiB
+numbers include them). pytest-benchmark's own calibration then picks the number of rounds.
+
+The file is named test_*.py so that `pytest bench/` collects it; the project's `testpaths` is
+`tests/`, so a plain `pytest` does not.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from collectives import Communicator, run_threads
+
+RANKS = 4
+RANKS_PER_NODE = 2
+SIZES = {"4K": 4 << 10, "1M": 1 << 20, "16M": 16 << 20}
+ALGORITHMS = ("ring", "tree", "hierarchical", "auto")
+
+
+class World:
+    """`RANKS` thread ranks that run one all-reduce each time `allreduce` is called."""
+
+    def __init__(self) -> None:
+        self.requests: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(RANKS)]
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.inputs = {n: [np.full(n // 4, r + 1, dtype=np.float32) for r in range(RANKS)] for n in SIZES.values()}
+        self.outputs = {n: [np.empty(n // 4, dtype=np.float32) for _ in range(RANKS)] for n in SIZES.values()}
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="bench-world", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            run_threads(self._serve, RANKS, ranks_per_node=RANKS_PER_NODE)
+        except BaseException as error:  # noqa: BLE001 - reported by allreduce() in the test
+            self.failure = error
+            self.done.put(None)
+
+    def _serve(self, comm: Communicator) -> None:
+        while (request := self.requests[comm.rank].get()) is not None:
+            algorithm, nbytes = request
+            comm.allreduce(self.inputs[nbytes][comm.rank], algorithm=algorithm, out=self.outputs[nbytes][comm.rank])
+            self.done.put(comm.rank)
+
+    def allreduce(self, algorithm: str, nbytes: int) -> None:
+        """One all-reduce of `nbytes` per rank with `algorithm`, on every rank; returns when all are done."""
+        for requests in self.requests:
+            requests.put((algorithm, nbytes))
+        for _ in range(RANKS):
+            if self.done.get(timeout=60) is None:
+                raise RuntimeError("a rank of the benchmark world failed") from self.failure
+
+    def close(self) -> None:
+        for requests in self.requests:
+            requests.put(None)
+        self._thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    world = World()
+    yield world
+    world.close()
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_allreduce(benchmark, world: World, algorithm: str, size: str) -> None:
+    nbytes = SIZES[size]
+    benchmark.group = f"allreduce {size} ({RANKS} ranks, {RANKS_PER_NODE} per node)"
+    benchmark.extra_info.update(nbytes=nbytes, ranks=RANKS, ranks_per_node=RANKS_PER_NODE)
+    benchmark(world.allreduce, algorithm, nbytes)
+    expected = RANKS * (RANKS + 1) // 2
+    assert all(np.all(out == expected) for out in world.outputs[nbytes])

@@ -1,0 +1,208 @@
+"""The benchmark's command line (`python -m bench`), on the threads backend and the scaling model.
+
+These check the benchmark itself, not speed: options parse and are checked, `#wrong` really
+catches a wrong result, files are written and read back, the progress bar stays off the logs, plots
+are produced, and the scaling model shows what it is meant to show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import numpy as np
+import pytest
+
+from bench import cli
+from bench.commands import main
+from bench.measure import IN_PLACE, OUT_OF_PLACE, bus_factor
+from bench.output import read_csv, read_json
+from bench.payloads import COLLECTIVES, expected_output, make_input
+from bench.progress import ProgressBar
+from bench.scaling import ETHERNET_NODES, GPU_NODES, TrainingModel, scaling_curve
+from collectives import Communicator
+from collectives.ops import ReduceOp
+
+QUICK = ["-b", "4K", "-e", "4K", "-w", "0", "-i", "1"]
+"""One size, no warm-up, one timed iteration per round: correctness, not timing."""
+
+
+# -- options ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [("4K", 4096), ("64M", 64 << 20), ("1G", 1 << 30), ("1048576", 1 << 20), ("2kb", 2048)])
+def test_sizes_parse_like_nccl_tests(text: str, expected: int) -> None:
+    assert cli.parse_size(text) == expected
+
+
+def test_size_sweep_and_bad_sizes() -> None:
+    assert cli.size_range(4 << 10, 64 << 10, 2) == [4096, 8192, 16384, 32768, 65536]
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_size("lots")
+    with pytest.raises(cli.UsageError):
+        cli.size_range(4096, 1024, 2)
+
+
+def _spec(*argv: str):
+    args = cli.build_parser().parse_args(list(argv))
+    return cli.sweep_spec(args, 4)
+
+
+def test_defaults_and_options_reach_the_spec() -> None:
+    spec = _spec()
+    assert spec.collective == "allreduce" and spec.op == "sum" and spec.dtype == "float32"
+    assert spec.algorithms == ("ring", "tree", "hierarchical", "hierarchical_tree", "auto")
+    spec = _spec("-c", "reduce_scatter", "-o", "max", "-d", "int64", "-w", "1", "-i", "5", "-b", "1K", "-e", "4K", "-f", "2")
+    assert (spec.collective, spec.op, spec.dtype, spec.warmup, spec.iterations) == ("reduce_scatter", "max", "int64", 1, 5)
+    assert spec.sizes == (1024, 2048, 4096) and spec.algorithms == ("ring",)
+    assert _spec("-c", "broadcast", "-r", "3").algorithms == ("tree",)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-o", "mean", "-d", "int32"], "floating-point"),
+        (["-c", "allgather", "-o", "sum"], "takes no reduction op"),
+        (["-a", "ring,bogus"], "bogus"),
+        (["-a", "native"], "--backend mpi"),
+        (["-c", "broadcast", "-r", "4"], "root"),
+        (["-o", "median"], "unknown reduction op"),
+        (["-d", "float16", "-n", "64"], "float16"),
+    ],
+)
+def test_inconsistent_options_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bus_factors_follow_nccl_tests() -> None:
+    assert bus_factor("allreduce", 4) == 1.5
+    assert bus_factor("reduce_scatter", 4) == bus_factor("allgather", 4) == 0.75
+    assert bus_factor("broadcast", 4) == 1.0
+
+
+# -- the correctness check --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("op", [o.value for o in ReduceOp])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int32"])
+def test_expected_outputs_are_the_exact_results(collective: str, op: str, dtype: str) -> None:
+    reduce_op, size, count = ReduceOp(op), 5, 35
+    if reduce_op is ReduceOp.MEAN and dtype == "int32":
+        pytest.skip("mean needs a floating-point dtype (the command line refuses it)")
+    inputs = [make_input(collective, reduce_op, r, size, count, np.dtype(dtype)).astype(np.float64) for r in range(size)]
+    if collective == "allgather":
+        full = np.concatenate(inputs)
+    elif collective == "broadcast":
+        full = inputs[2]
+    else:
+        reduce = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
+        full = reduce(np.stack(inputs), axis=0)
+    for rank in range(size):
+        mine = full[rank * 7 : rank * 7 + 7] if collective == "reduce_scatter" else full
+        got = expected_output(collective, reduce_op, rank, size, count, np.dtype(dtype), root=2)
+        np.testing.assert_array_equal(got, mine.astype(dtype))
+
+
+def test_every_collective_and_op_runs_with_nothing_wrong(tmp_path) -> None:
+    for argv in (["-c", "allreduce", "-o", "prod", "-a", "ring"], ["-c", "reduce_scatter", "-o", "mean"], ["-c", "allgather"], ["-c", "broadcast", "-r", "1"]):
+        path = tmp_path / "rows.csv"
+        assert main([*QUICK, *argv, "--csv", str(path)]) == 0, argv
+        rows = read_csv(str(path))
+        assert {r.placement for r in rows} == {OUT_OF_PLACE, IN_PLACE}
+        assert all(r.wrong == 0 for r in rows)
+
+
+def test_wrong_results_are_counted_per_algorithm_and_placement(monkeypatch, tmp_path, capsys) -> None:
+    """A deliberately broken "tree" (rank 0 gets one element off) must show up in #wrong, and only there."""
+    real = Communicator.allreduce
+
+    def faulty(self, x, op="sum", algorithm="auto", out=None):
+        result = real(self, x, op, algorithm, out)
+        if algorithm == "tree" and self.rank == 0:
+            result[0] += 1
+        return result
+
+    monkeypatch.setattr(Communicator, "allreduce", faulty)
+    path = tmp_path / "rows.csv"
+    assert main([*QUICK, "-a", "ring,tree", "--csv", str(path)]) == 1
+    wrong = {(r.algorithm, r.placement): r.wrong for r in read_csv(str(path))}
+    iterations = 3  # one per round
+    assert wrong[("tree", OUT_OF_PLACE)] == wrong[("tree", IN_PLACE)] == iterations
+    assert wrong[("ring", OUT_OF_PLACE)] == wrong[("ring", IN_PLACE)] == 0
+    assert "wrong elements" in capsys.readouterr().err
+
+
+# -- outputs ----------------------------------------------------------------------------------------
+
+
+def test_csv_and_json_hold_the_same_rows_and_the_run(tmp_path) -> None:
+    csv_path, json_path = tmp_path / "rows.csv", tmp_path / "rows.json"
+    assert main([*QUICK, "-a", "ring,auto", "--csv", str(csv_path), "--json", str(json_path)]) == 0
+    rows, document = read_json(str(json_path))
+    assert rows == read_csv(str(csv_path))
+    assert {r.algorithm for r in rows} == {"ring", "auto", "copy-bound"}
+    assert document["parameters"]["backend"] == "threads" and document["parameters"]["ranks"] == 4
+    assert document["parameters"]["ranks_per_node"] == 2
+    environment = document["environment"]
+    assert {"hostname", "timestamp", "versions", "load_average"} <= environment.keys()
+    assert {"python", "numpy", "collectives"} <= environment["versions"].keys()
+    assert document["auto_choice"]["4096"] in ("ring", "tree", "hierarchical", "hierarchical_tree")
+    json.dumps(document)  # plain JSON all the way down
+
+
+def test_progress_bar_is_off_when_stderr_is_not_a_terminal(capsys) -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(3, stream)
+    for _ in range(3):
+        bar.advance("step")
+    bar.close()
+    assert not bar.enabled and stream.getvalue() == ""
+    forced = io.StringIO()
+    with ProgressBar(2, forced, enabled=True) as bar:
+        bar.advance("a")
+        bar.advance("b")
+    assert "2/2" in forced.getvalue()
+    assert main([*QUICK, "-a", "ring"]) == 0  # pytest's captured stderr is not a terminal
+    assert "\r" not in capsys.readouterr().err
+
+
+def test_plot_files_are_pngs(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    sweep, scaling = tmp_path / "busbw.png", tmp_path / "scaling.png"
+    assert main(["-b", "4K", "-e", "16K", "-f", "4", "-w", "0", "-i", "1", "-a", "ring,auto", "--plot", str(sweep)]) == 0
+    assert main(["scaling", "--simulate-up-to", "0", "--plot", str(scaling)]) == 0
+    for path in (sweep, scaling):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the scaling model ------------------------------------------------------------------------------
+
+
+def _efficiency(kind, algorithm: str, ranks: int, **options) -> float:
+    return scaling_curve(kind, algorithm, TrainingModel(), [ranks], **options)[0].efficiency
+
+
+def test_hierarchical_keeps_efficiency_where_the_flat_ring_loses_it() -> None:
+    assert _efficiency(GPU_NODES, "hierarchical", 1024) >= _efficiency(GPU_NODES, "ring", 1024) + 0.1
+    assert _efficiency(GPU_NODES, "auto", 1024) >= _efficiency(GPU_NODES, "hierarchical", 1024) - 1e-9
+    assert all(_efficiency(GPU_NODES, "auto", ranks) > 0.85 for ranks in (8, 16, 32, 64))
+
+
+def test_one_rank_per_node_on_10_gbps_is_near_half_at_64_ranks() -> None:
+    assert 0.40 <= _efficiency(ETHERNET_NODES, "ring", 64) <= 0.60
+
+
+def test_the_simulator_agrees_with_the_model_where_both_run() -> None:
+    for kind in (GPU_NODES, ETHERNET_NODES):
+        assert _efficiency(kind, "ring", 16, simulated=True) == pytest.approx(_efficiency(kind, "ring", 16), abs=0.01)
+
+
+def test_bucket_overlap_model() -> None:
+    model = TrainingModel(parameters=3 * (1 << 20), compute_seconds=0.3, backprop_fraction=2 / 3, bucket_bytes=4 << 20)
+    assert model.buckets() == [4 << 20, 4 << 20, 4 << 20]
+    assert model.efficiency(lambda nbytes: 0.0) == 1.0
+    # Buckets ready at 0.1 + 0.2 * k/3; 0.05 s each: the last one ends at 0.35, 0.05 s past compute.
+    assert model.exposed_seconds(lambda nbytes: 0.05) == pytest.approx(0.05)
