@@ -45,7 +45,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 
-from .measure import expected_sum, payload
+from collectives.ops import ReduceOp
+
+from .payloads import expected_output, make_input
 
 _EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_keras.py"
 _TRAIN_SAMPLES = 4096
@@ -184,9 +186,9 @@ def run_mwms(config: WorkerConfig) -> RankResult:
     wrong = 0
     for nbytes in config.sizes:
         count = nbytes // 4
-        tensor = tf.constant(payload(rank, count, np.dtype(np.float32)))
+        tensor = tf.constant(make_input("allreduce", ReduceOp.SUM, rank, world, count, np.dtype(np.float32)))
         times[str(nbytes)] = interleaved({"": lambda: allreduce(tensor)}, barrier, config.warmup, config.repeats)[""]
-        wrong += count_wrong(allreduce(tensor), expected_sum(world, count, np.dtype(np.float32)))
+        wrong += count_wrong(allreduce(tensor), expected_output("allreduce", ReduceOp.SUM, rank, world, count, np.dtype(np.float32)))
     result.allreduce["function"] = times
     result.wrong["function"] = wrong
 
@@ -238,8 +240,8 @@ def run_ours(config: WorkerConfig, out: Path) -> RankResult:
     raw = {"numpy": "auto", **({"numpy-native": collectives.NATIVE} if collectives.NATIVE in comm.algorithms else {})}
     for nbytes in config.sizes:
         count = nbytes // 4
-        expected = expected_sum(comm.size, count, np.dtype(np.float32))
-        src = payload(comm.rank, count, np.dtype(np.float32))
+        expected = expected_output("allreduce", ReduceOp.SUM, comm.rank, comm.size, count, np.dtype(np.float32))
+        src = make_input("allreduce", ReduceOp.SUM, comm.rank, comm.size, count, np.dtype(np.float32))
         outputs = {variant: np.empty_like(src) for variant in raw}
         tensor = tf.constant(src)
         runs: dict[str, Callable[[], Any]] = {
