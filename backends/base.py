@@ -12,7 +12,9 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
   one with another shape, dtype, op or algorithm) find out instead of exchanging garbage.
 * `Request.wait(timeout)` raises the builtin `TimeoutError` when the timeout expires (the caller,
   who knows the collective, turns it into a `CollectiveTimeoutError`), or a `CollectiveError`
-  when the peer aborted or the message did not match.
+  when the peer aborted or the message did not match. `wait_any` blocks until one of several
+  requests completes, which is how one thread drives several message streams at once (the
+  pipelined hierarchical all-reduce); the default polls, a backend may do better.
 * `abort(error)` tells every peer that this rank gives up, so they fail at once rather than wait.
 * Optionally, `native_allreduce` runs the engine's own all-reduce (MPI_Allreduce, ncclAllReduce),
   offered to users as `algorithm="native"` for side-by-side comparison.
@@ -31,12 +33,17 @@ from __future__ import annotations
 import abc
 import os
 import time
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from .errors import CollectiveError
+
 Buffer = Any
 """A 1-D C-contiguous array: numpy on CPU backends, cupy on GPU backends."""
+
+_FIRST_POLL, _LAST_POLL = 50e-6, 1e-3
+"""The default `Transport.wait_any` polls at intervals growing from the first to the last."""
 
 
 class Request(Protocol):
@@ -71,6 +78,31 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def irecv(self, buf: Buffer, src: int, tag: int, header: bytes) -> Request:
         """Start receiving from rank `src` into `buf`, whose size must equal the message's."""
+
+    def wait_any(self, requests: Sequence[Request], timeout: float) -> None:
+        """Block until at least one of `requests` has completed, or `timeout` seconds passed.
+
+        The caller tests the requests to find which; a completed request's error is raised by its
+        own `wait`. The default blocks on the first request for a slice that doubles from 50 us to
+        1 ms and tests the others in between: a request other than the first is noticed at most
+        about 1 ms late, and a long wait costs about a thousand wake-ups a second.
+
+        Raises:
+            TimeoutError: none completed within `timeout`.
+        """
+        deadline = time.monotonic() + timeout
+        pause = _FIRST_POLL
+        while not any(request.test() for request in requests):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"none of {len(requests)} requests completed within {timeout:g} s")
+            try:
+                requests[0].wait(min(pause, remaining))
+                return
+            except TimeoutError:
+                pause = min(2 * pause, _LAST_POLL)
+            except CollectiveError:  # completed with an error, which the caller's `wait` raises
+                return
 
     fuses_receive_reduce: bool = False
     """Whether `irecv_reduce` is available."""
