@@ -15,9 +15,13 @@ on its sender, so a stream of S segments costs S t(m/S), not t(m) + (S-1) m/S be
                   fill = the slowest root-to-leaf path, sum of t(m) (+ the reductions going up);
                   period = the busiest resource per pair of segments: a rank's send port
                   (sum of t(m) over its sends), its receive port, a node's NIC, a rank's reductions
-    hierarchical  shard h = n/M:  (L-1) (S t_intra(h/S) + h/S gamma)       intra reduce-scatter
-                                + ring over N nodes on h bytes, k = M      all shards at once
-                                + (L-1) S t_intra(h/S)                     intra all-gather
+    hierarchical  B blocks (`hierarchical.pipeline_blocks`), shard h = n/(B M) per block:
+                  intra(b) = (L-1) (S t_intra(h/S) + h/S gamma)       intra reduce-scatter
+                           + (L-1) S t_intra(h/S)                     intra all-gather
+                  inter(b) = ring over N nodes on h bytes, k = M      all shards at once
+                  intra(b) + inter(b) + (B-1) max(intra(b), inter(b))
+                  the phases are pipelined over the blocks: the slower side sets the pace, the
+                  first block fills the pipeline and the last drains it
     hierarchical_tree   the same with the tree between nodes
     reference     2 (p-1) t(n) + (p-1) n gamma, all through rank 0: the test oracle, never chosen
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from .hierarchical import pipeline_blocks
 from .layout import DEFAULT_BLOCK_BYTES
 from .topology import LinkCost, LinkCosts, Topology
 from .tree import double_binary_tree
@@ -215,7 +220,8 @@ def _hierarchical(inner: str) -> Callable[[int, Topology, LinkCosts, int], float
         nodes = topology.nodes
         shards = min(len(ranks) for ranks in nodes)
         largest = max(len(ranks) for ranks in nodes)
-        shard = nbytes / shards
+        blocks = pipeline_blocks(nbytes, len(nodes), largest, shards, segment_bytes)
+        shard = nbytes / blocks / shards
         intra = _ring_reduce_scatter(largest, shard, costs.intra, costs.gamma, segment_bytes) + _ring_allgather(
             largest, shard, costs.intra, segment_bytes
         ) if largest > 1 else 0.0
@@ -226,7 +232,7 @@ def _hierarchical(inner: str) -> Callable[[int, Topology, LinkCosts, int], float
             between = _ring_allreduce(shard, len(nodes), link, costs.gamma, segment_bytes)
         else:
             between = _tree_allreduce(shard, leaders, node, costs, segment_bytes, concurrent=shards)
-        return intra + between
+        return intra + between + (blocks - 1) * max(intra, between)
 
     return cost
 
