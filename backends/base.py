@@ -14,7 +14,8 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
   who knows the collective, turns it into a `CollectiveTimeoutError`), or a `CollectiveError`
   when the peer aborted or the message did not match. `wait_any` blocks until one of several
   requests completes, which is how one thread drives several message streams at once (the
-  pipelined hierarchical all-reduce); the default polls, a backend may do better.
+  pipelined hierarchical all-reduce); the default polls, and a backend whose requests wake a
+  waiter on completion (`WakingRequest`, `wait_first`: threads, gRPC) blocks without polling.
 * `abort(error)` tells every peer that this rank gives up, so they fail at once rather than wait.
 * Optionally, `native_allreduce` runs the engine's own all-reduce (MPI_Allreduce, ncclAllReduce),
   offered to users as `algorithm="native"` for side-by-side comparison.
@@ -30,6 +31,7 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
 
 from __future__ import annotations
 
+import _thread
 import abc
 import os
 import time
@@ -61,6 +63,50 @@ class Request(Protocol):
     def test(self) -> bool:
         """Whether the operation has completed (successfully or not), without blocking."""
         ...
+
+
+class WakingRequest(Request, Protocol):
+    """A request that, on completing, wakes whoever waits for several requests at once.
+
+    Completing calls `wake(request.waiter)` after the request tests as completed; `wait_first`
+    sets `waiter`. This lets one thread block on several requests without polling, which on a few
+    shared cores costs the ranks' other threads (the ones moving the data) their time.
+    """
+
+    waiter: _thread.LockType | None
+    """The lock `wait_first` blocks on, or None while nobody waits for several requests."""
+
+
+def wake(waiter: _thread.LockType | None) -> None:
+    """Wake the thread blocked in `wait_first` on `waiter` (a raw lock, or None: nobody waits)."""
+    if waiter is not None:
+        try:
+            waiter.release()
+        except RuntimeError:  # another of its requests woke it already
+            pass
+
+
+def wait_first(requests: Sequence[WakingRequest], timeout: float) -> None:
+    """`Transport.wait_any` for requests that wake their waiter: block until one completes.
+
+    The waiter is set on every request before testing them, and a request is completed before it
+    reads its waiter, so a completion either is seen by the test or wakes the lock.
+
+    Raises:
+        TimeoutError: none completed within `timeout`.
+    """
+    waiter = _thread.allocate_lock()
+    waiter.acquire()
+    for request in requests:
+        request.waiter = waiter
+    try:
+        if any(request.test() for request in requests):
+            return
+        if not waiter.acquire(timeout=max(timeout, 0.0)):
+            raise TimeoutError(f"none of {len(requests)} requests completed within {timeout:g} s")
+    finally:
+        for request in requests:
+            request.waiter = None
 
 
 class Transport(abc.ABC):
