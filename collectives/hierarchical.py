@@ -16,11 +16,14 @@ eats the gain wherever the node's own links are not much faster (loopback gRPC o
 CPU-bound). So a large buffer is cut into B blocks (`pipeline_blocks`: one per `shards` segments,
 at most 8) and the three phases run as a pipeline over them, each block entering a phase once it
 has left the previous one; while block b crosses the nodes, block b+1 is reduce-scattered and block
-b-1 all-gathered inside the node::
+b-1 all-gathered inside the node. Two blocks cross the nodes at once (`INTER_WINDOW`, on
+alternating tags), so the link carries one block's messages while the other waits on a round trip
+or a reduction and never idles between blocks::
 
     intra reduce-scatter   [0][1][2][3]
-    inter all-reduce          [0 ][1 ][2 ][3 ]
-    intra all-gather              [0][1][2][3]
+    inter all-reduce          [0    ][2    ]
+                                 [1    ][3    ]
+    intra all-gather                 [0][1][2][3]
     time ->
 
 One thread does it all: each phase of a block is a step machine (`schedule`) and the scheduler
@@ -38,10 +41,13 @@ block of n/B bytes::
 
     intra(b) = 2(L-1) alpha_l + 2(L-1)/L (n/B) beta_l + (L-1)/L (n/B) gamma     (steps 1 and 3)
     inter(b) = inner all-reduce of n/(B L) bytes over N ranks on (alpha_g, beta_g)  (step 2)
-    total    = intra(b) + inter(b) + (B-1) max(intra(b), inter(b))
+    period   = max(inter(b) / W, inter(b) without its alpha_g terms)      W = INTER_WINDOW
+    total    = intra(b) + inter(b) + (B-1) max(intra(b), period)
 
 Both intra-node phases share each rank's intra-node links, so they count together against the
 inter-node phase: the pipeline runs at the pace of the slower side, plus filling and draining.
+With W blocks crossing at once, a block's latencies overlap the other blocks' bytes: a block
+leaves the inter-node phase every inter(b)/W at best, and never faster than its bytes cross.
 """
 
 from __future__ import annotations
@@ -62,9 +68,15 @@ INNER_ALGORITHMS = {"ring": ring_allreduce_steps, "tree": tree_allreduce_steps}
 MAX_PIPELINE_BLOCKS = 8
 """More blocks shorten filling and draining but cost every phase more, smaller messages."""
 
+INTER_WINDOW = 2
+"""Blocks crossing the nodes at once: while one waits on a round trip or a reduction, the link
+carries the other's messages. (Two blocks in the intra-node reduce-scatter measured no better.)"""
+
 _REDUCE_SCATTER_SUBTAG = 8
 _INTER_SUBTAG = 16
 _ALLGATHER_SUBTAG = 24
+_WINDOW_SUBTAG_STRIDE = 4
+"""Blocks crossing the nodes at once talk on tags this far apart (a tree uses 4 subtags)."""
 
 
 def pipeline_blocks(nbytes: float, nodes: int, largest: int, shards: int, segment_bytes: int) -> int:
@@ -114,7 +126,8 @@ def hierarchical_allreduce(
 
     scatter = group.subgroup(node, _REDUCE_SCATTER_SUBTAG)
     gather = group.subgroup(node, _ALLGATHER_SUBTAG)
-    inter = group.subgroup([ranks[local_rank] for ranks in nodes], _INTER_SUBTAG) if local_rank < shards else None
+    peers = [ranks[local_rank] for ranks in nodes]
+    inter = [group.subgroup(peers, _INTER_SUBTAG + _WINDOW_SUBTAG_STRIDE * k) for k in range(INTER_WINDOW)] if local_rank < shards else None
     sum_only = ReduceOp.SUM if op is ReduceOp.MEAN else op
 
     def reduce_scatter(block: int) -> Steps:
@@ -126,10 +139,10 @@ def hierarchical_allreduce(
             return
         bounds = chunk_bounds(block)
         shard = view(dst, block)[bounds[local_rank] : bounds[local_rank + 1]]
-        yield from INNER_ALGORITHMS[inner](inter, shard, shard, sum_only, segment_bytes=segment_bytes)
+        yield from INNER_ALGORITHMS[inner](inter[block % INTER_WINDOW], shard, shard, sum_only, segment_bytes=segment_bytes)
         finalize(op, shard, group.size)
 
     def allgather(block: int) -> Steps:
         return ring_allgather_steps(gather, view(dst, block), chunk_bounds(block), segment_bytes=segment_bytes)
 
-    run_pipeline(group, [reduce_scatter, across, allgather], blocks)
+    run_pipeline(group, [reduce_scatter, across, allgather], blocks, (1, INTER_WINDOW, 1))
