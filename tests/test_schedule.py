@@ -85,6 +85,54 @@ def test_pipeline_respects_stage_and_block_order() -> None:
         assert position["start", 1, 0] < position["end", 0, 1], "stages did not overlap"
 
 
+def test_pipeline_window_runs_blocks_of_one_stage_at_once() -> None:
+    """With a window of 2, stage k starts block b once it has finished block b-2 (not b-1), so two
+    blocks of a stage are under way at once; blocks still enter a stage after leaving the one before."""
+    blocks, windows = 6, (1, 2, 1)
+
+    def body(group: Group) -> tuple[list, np.ndarray]:
+        log: list = []
+        data = np.full(blocks, group.rank + 1.0)
+
+        def stage(k: int) -> Callable[[int], Steps]:
+            return lambda b: exchange(group, data[b : b + 1], 2 * k + b % windows[k], log, (k, b))
+
+        run_pipeline(group, [stage(k) for k in range(len(windows))], blocks, windows)
+        return log, data
+
+    for outcome in on_threads(body, 2):
+        assert not isinstance(outcome, Exception), outcome
+        log, data = outcome
+        assert data.tolist() == [12.0] * blocks
+        position = {entry: index for index, entry in enumerate(log)}
+        assert len(position) == 2 * blocks * len(windows)
+        for k, window in enumerate(windows):
+            for b in range(blocks):
+                if k > 0:
+                    assert position["end", k - 1, b] < position["start", k, b]
+                if b >= window:
+                    assert position["end", k, b - window] < position["start", k, b]
+        assert position["start", 1, 1] < position["end", 1, 0], "the window did not overlap blocks"
+
+
+def test_threads_wait_any_wakes_at_a_later_request() -> None:
+    """The threads backend's wait_any returns as soon as any request completes, not only the first
+    (no polling slice to sit out), and raises TimeoutError when none does."""
+    fabric = ThreadFabric(["a", "b"])
+    me, peer = fabric.endpoint(0), fabric.endpoint(1)
+    never = me.irecv(np.empty(1), 1, 5, b"h")
+    late = me.irecv(np.empty(1), 1, 6, b"h")
+    with pytest.raises(TimeoutError):
+        me.wait_any([never, late], 0.05)
+    timer = threading.Timer(0.1, lambda: peer.isend(np.ones(1), 0, 6, b"h"))
+    timer.start()
+    started = time.monotonic()
+    me.wait_any([never, late], 5.0)
+    assert late.test() and not never.test()
+    assert time.monotonic() - started < 1.0
+    timer.join()
+
+
 def test_run_steps_is_the_blocking_algorithm() -> None:
     """One step machine run alone gives the same result as in a pipeline."""
 
