@@ -126,8 +126,10 @@ def hierarchical_allreduce(
 
     scatter = group.subgroup(node, _REDUCE_SCATTER_SUBTAG)
     gather = group.subgroup(node, _ALLGATHER_SUBTAG)
-    peers = [ranks[local_rank] for ranks in nodes]
-    inter = [group.subgroup(peers, _INTER_SUBTAG + _WINDOW_SUBTAG_STRIDE * k) for k in range(INTER_WINDOW)] if local_rank < shards else None
+    inter = None
+    if local_rank < shards:
+        peers = [ranks[local_rank] for ranks in nodes]
+        inter = [group.subgroup(peers, _INTER_SUBTAG + _WINDOW_SUBTAG_STRIDE * k) for k in range(INTER_WINDOW)]
     sum_only = ReduceOp.SUM if op is ReduceOp.MEAN else op
 
     def reduce_scatter(block: int) -> Steps:
