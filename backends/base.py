@@ -12,7 +12,10 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
   one with another shape, dtype, op or algorithm) find out instead of exchanging garbage.
 * `Request.wait(timeout)` raises the builtin `TimeoutError` when the timeout expires (the caller,
   who knows the collective, turns it into a `CollectiveTimeoutError`), or a `CollectiveError`
-  when the peer aborted or the message did not match.
+  when the peer aborted or the message did not match. `wait_any` blocks until one of several
+  requests completes, which is how one thread drives several message streams at once (the
+  pipelined hierarchical all-reduce); the default polls, and a backend whose requests wake a
+  waiter on completion (`WakingRequest`, `wait_first`: threads, gRPC) blocks without polling.
 * `abort(error)` tells every peer that this rank gives up, so they fail at once rather than wait.
 * Optionally, `native_allreduce` runs the engine's own all-reduce (MPI_Allreduce, ncclAllReduce),
   offered to users as `algorithm="native"` for side-by-side comparison.
@@ -28,15 +31,21 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
 
 from __future__ import annotations
 
+import _thread
 import abc
 import os
 import time
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from .errors import CollectiveError
+
 Buffer = Any
 """A 1-D C-contiguous array: numpy on CPU backends, cupy on GPU backends."""
+
+_FIRST_POLL, _LAST_POLL = 50e-6, 1e-3
+"""The default `Transport.wait_any` polls at intervals growing from the first to the last."""
 
 
 class Request(Protocol):
@@ -56,6 +65,50 @@ class Request(Protocol):
         ...
 
 
+class WakingRequest(Request, Protocol):
+    """A request that, on completing, wakes whoever waits for several requests at once.
+
+    Completing calls `wake(request.waiter)` after the request tests as completed; `wait_first`
+    sets `waiter`. This lets one thread block on several requests without polling, which on a few
+    shared cores costs the ranks' other threads (the ones moving the data) their time.
+    """
+
+    waiter: _thread.LockType | None
+    """The lock `wait_first` blocks on, or None while nobody waits for several requests."""
+
+
+def wake(waiter: _thread.LockType | None) -> None:
+    """Wake the thread blocked in `wait_first` on `waiter` (a raw lock, or None: nobody waits)."""
+    if waiter is not None:
+        try:
+            waiter.release()
+        except RuntimeError:  # another of its requests woke it already
+            pass
+
+
+def wait_first(requests: Sequence[WakingRequest], timeout: float) -> None:
+    """`Transport.wait_any` for requests that wake their waiter: block until one completes.
+
+    The waiter is set on every request before testing them, and a request is completed before it
+    reads its waiter, so a completion either is seen by the test or wakes the lock.
+
+    Raises:
+        TimeoutError: none completed within `timeout`.
+    """
+    waiter = _thread.allocate_lock()
+    waiter.acquire()
+    for request in requests:
+        request.waiter = waiter
+    try:
+        if any(request.test() for request in requests):
+            return
+        if not waiter.acquire(timeout=max(timeout, 0.0)):
+            raise TimeoutError(f"none of {len(requests)} requests completed within {timeout:g} s")
+    finally:
+        for request in requests:
+            request.waiter = None
+
+
 class Transport(abc.ABC):
     """One rank's endpoint of a point-to-point fabric."""
 
@@ -71,6 +124,31 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def irecv(self, buf: Buffer, src: int, tag: int, header: bytes) -> Request:
         """Start receiving from rank `src` into `buf`, whose size must equal the message's."""
+
+    def wait_any(self, requests: Sequence[Request], timeout: float) -> None:
+        """Block until at least one of `requests` has completed, or `timeout` seconds passed.
+
+        The caller tests the requests to find which; a completed request's error is raised by its
+        own `wait`. The default blocks on the first request for a slice that doubles from 50 us to
+        1 ms and tests the others in between: a request other than the first is noticed at most
+        about 1 ms late, and a long wait costs about a thousand wake-ups a second.
+
+        Raises:
+            TimeoutError: none completed within `timeout`.
+        """
+        deadline = time.monotonic() + timeout
+        pause = _FIRST_POLL
+        while not any(request.test() for request in requests):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"none of {len(requests)} requests completed within {timeout:g} s")
+            try:
+                requests[0].wait(min(pause, remaining))
+                return
+            except TimeoutError:
+                pause = min(2 * pause, _LAST_POLL)
+            except CollectiveError:  # completed with an error, which the caller's `wait` raises
+                return
 
     fuses_receive_reduce: bool = False
     """Whether `irecv_reduce` is available."""

@@ -81,12 +81,12 @@ import time
 import weakref
 from collections import deque
 from concurrent import futures
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from . import _grpc_config as wire
-from .base import Transport, check_buffer
+from .base import Transport, check_buffer, wait_first, wake
 from .errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -167,7 +167,7 @@ def _identity(data: bytes) -> bytes:
 class _Request:
     """A posted send or receive; completed (once) by whichever thread finishes it."""
 
-    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "consume", "_done", "_claim", "_error")
+    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "consume", "waiter", "_done", "_claim", "_error")
 
     def __init__(
         self,
@@ -190,6 +190,7 @@ class _Request:
         self._done.acquire()
         self._claim = _thread.allocate_lock()
         self._error: CollectiveError | None = None
+        self.waiter: _thread.LockType | None = None
 
     def wait(self, timeout: float | None) -> None:
         if not self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
@@ -212,6 +213,7 @@ class _Request:
         self._error = error
         self.buf = self.consume = None
         self._done.release()
+        wake(self.waiter)
         return True
 
 
@@ -588,6 +590,12 @@ class GrpcTransport(Transport):
 
     def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> _Request:
         return self._post_recv(buf, src, tag, header, None)
+
+    def wait_any(self, requests: Sequence[_Request], timeout: float) -> None:  # type: ignore[override]
+        """Block until one of `requests` completes: the thread completing it wakes this one, so a
+        rank driving several streams sleeps until there is work instead of polling the cores its
+        own stream threads need."""
+        wait_first(requests, timeout)
 
     def irecv_reduce(
         self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Callable[[np.ndarray], None]

@@ -33,6 +33,10 @@ right length backed by one element, ufuncs and item assignment on them do nothin
 carry only their size, so a 256 MiB all-reduce on 128 ranks allocates nothing. Algorithms that
 allocate their own buffers in proportion to the message (the reference all-reduce) still allocate.
 
+A rank may wait for several requests at once (`SimulatedTransport.wait_any`): it resumes at the
+earliest completion among them, so one thread that drives several message streams (the pipelined
+hierarchical all-reduce) is timed as exactly as one that waits for each in turn.
+
 Limits: only blocking use is supported (an algorithm or a blocking `Communicator` call on each
 rank's own thread); a rank that blocks on anything but a simulated request would stop the whole
 simulation. When every live rank waits and no message is in flight, the waits fail with
@@ -46,7 +50,7 @@ import threading
 import _thread
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
@@ -194,7 +198,7 @@ class _Request:
     def wait(self, timeout: float | None) -> None:
         """Block (in virtual time) until completion; real-time timeouts do not apply."""
         if not self.completed:
-            self.sim.block_on(self)
+            self.sim.block_on((self,))
         if self.error is not None:
             raise self.error
 
@@ -225,7 +229,8 @@ class _Rank:
 
     def __init__(self) -> None:
         self.clock = 0.0
-        self.waiting: _Request | None = None
+        self.waiting: tuple[_Request, ...] = ()
+        """What the rank is blocked on; it resumes when the first of them completes."""
         self.alive = True
         self.baton = _thread.allocate_lock()
         self.baton.acquire()
@@ -331,15 +336,17 @@ class Simulator:
             else:
                 return None
 
-    def block_on(self, request: _Request) -> None:
-        """Called on the owner's thread: sleep until `request` completes."""
-        rank = request.rank
+    def block_on(self, requests: tuple[_Request, ...]) -> None:
+        """Called on the owner's thread: sleep until one of `requests` (all its own) completes."""
+        rank = requests[0].rank
         if getattr(_current, "rank", None) != rank or getattr(_current, "sim", None) is not self:
             raise RuntimeError(
                 "a simulated request was waited on outside its rank's thread; the simulated backend "
                 "supports blocking calls only (no *_async collectives)"
             )
-        self._ranks[rank].waiting = request
+        if any(request.completed for request in requests):
+            return
+        self._ranks[rank].waiting = requests
         self._hand_over(rank)
 
     def charge(self, rank: int, seconds: float) -> None:
@@ -358,12 +365,12 @@ class Simulator:
         request.error = error
         self._pending.discard(request)
         state = self._ranks[request.rank]
-        if state.waiting is request:
-            state.waiting = None
+        if request in state.waiting:
+            state.waiting = ()
             heapq.heappush(self._ready, (max(time, state.clock), request.rank))
 
     def _break_deadlock(self) -> None:
-        waiting = [(rank, state.waiting) for rank, state in enumerate(self._ranks) if state.alive and state.waiting is not None]
+        waiting = [(rank, state.waiting[0]) for rank, state in enumerate(self._ranks) if state.alive and state.waiting]
         if not waiting:
             raise RuntimeError("simulator invariant broken: live ranks neither ready nor waiting")
         for rank, request in waiting:
@@ -563,6 +570,10 @@ class SimulatedTransport(Transport):
 
     def irecv(self, buf: Any, src: int, tag: int, header: bytes) -> _Request:
         return self.sim.post_recv(self.rank, buf, src, tag, header)
+
+    def wait_any(self, requests: Sequence[_Request], timeout: float) -> None:
+        """Block (in virtual time) until the first of `requests` completes; timeouts do not apply."""
+        self.sim.block_on(tuple(requests))
 
     def empty(self, count: int, dtype: Any) -> ChargedArray | VirtualArray:
         """A buffer whose reductions are charged; size-only in timing-only mode."""

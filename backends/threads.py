@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .base import Transport, check_buffer
+from .base import Transport, check_buffer, wait_first, wake
 from .errors import CollectiveError, MismatchError, PeerLostError, abort_kind, error_from_abort
 
 _SEND = "send"
@@ -34,7 +34,7 @@ class _ThreadRequest:
     primitive CPython has (an Event costs a Condition and several Python-level calls per message).
     """
 
-    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "consume", "_done", "_error")
+    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "consume", "waiter", "_done", "_error")
 
     def __init__(
         self,
@@ -56,6 +56,7 @@ class _ThreadRequest:
         self._done = _thread.allocate_lock()
         self._done.acquire()
         self._error: CollectiveError | None = None
+        self.waiter: _thread.LockType | None = None
 
     def wait(self, timeout: float | None) -> None:
         if not self._done.acquire(timeout=-1 if timeout is None else timeout):
@@ -71,6 +72,7 @@ class _ThreadRequest:
         self._error = error
         self.buf = self.consume = None  # drop references: the buffer is the caller's again
         self._done.release()
+        wake(self.waiter)
 
 
 class ThreadFabric:
@@ -214,6 +216,10 @@ class ThreadTransport(Transport):
         return self.fabric.post(_RECV, self.rank, src, tag, buf, header)
 
     fuses_receive_reduce = True
+
+    def wait_any(self, requests: Sequence[_ThreadRequest], timeout: float) -> None:  # type: ignore[override]
+        """Block until one of `requests` completes: its completion wakes this thread, no polling."""
+        wait_first(requests, timeout)
 
     def irecv_reduce(
         self,

@@ -15,9 +15,15 @@ on its sender, so a stream of S segments costs S t(m/S), not t(m) + (S-1) m/S be
                   fill = the slowest root-to-leaf path, sum of t(m) (+ the reductions going up);
                   period = the busiest resource per pair of segments: a rank's send port
                   (sum of t(m) over its sends), its receive port, a node's NIC, a rank's reductions
-    hierarchical  shard h = n/M:  (L-1) (S t_intra(h/S) + h/S gamma)       intra reduce-scatter
-                                + ring over N nodes on h bytes, k = M      all shards at once
-                                + (L-1) S t_intra(h/S)                     intra all-gather
+    hierarchical  B blocks (`hierarchical.pipeline_blocks`), shard h = n/(B M) per block:
+                  intra(b) = (L-1) (S t_intra(h/S) + h/S gamma)       intra reduce-scatter
+                           + (L-1) S t_intra(h/S)                     intra all-gather
+                  inter(b) = ring over N nodes on h bytes, k = M      all shards at once
+                  period = max(inter(b) / W, inter(b) with alpha_inter = 0), W blocks crossing at once
+                  intra(b) + inter(b) + (B-1) max(intra(b), period)
+                  the phases are pipelined over the blocks: the slower side sets the pace, the
+                  first block fills the pipeline and the last drains it; the W blocks in flight
+                  between nodes hide each other's latencies, not their bytes
     hierarchical_tree   the same with the tree between nodes
     reference     2 (p-1) t(n) + (p-1) n gamma, all through rank 0: the test oracle, never chosen
 
@@ -29,8 +35,10 @@ they make is within a few percent of the best algorithm (docs/selector.md).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable, Sequence
 
+from .hierarchical import INTER_WINDOW, pipeline_blocks
 from .layout import DEFAULT_BLOCK_BYTES
 from .topology import LinkCost, LinkCosts, Topology
 from .tree import double_binary_tree
@@ -215,18 +223,25 @@ def _hierarchical(inner: str) -> Callable[[int, Topology, LinkCosts, int], float
         nodes = topology.nodes
         shards = min(len(ranks) for ranks in nodes)
         largest = max(len(ranks) for ranks in nodes)
-        shard = nbytes / shards
+        blocks = pipeline_blocks(nbytes, len(nodes), largest, shards, segment_bytes)
+        shard = nbytes / blocks / shards
         intra = _ring_reduce_scatter(largest, shard, costs.intra, costs.gamma, segment_bytes) + _ring_allgather(
             largest, shard, costs.intra, segment_bytes
         ) if largest > 1 else 0.0
         leaders = [ranks[0] for ranks in nodes]
         node = topology.node_index
-        if inner == "ring":
-            link = _ring_link(leaders, node, costs, concurrent=shards)
-            between = _ring_allreduce(shard, len(nodes), link, costs.gamma, segment_bytes)
-        else:
-            between = _tree_allreduce(shard, leaders, node, costs, segment_bytes, concurrent=shards)
-        return intra + between
+
+        def across(costs: LinkCosts) -> float:
+            if inner == "ring":
+                link = _ring_link(leaders, node, costs, concurrent=shards)
+                return _ring_allreduce(shard, len(nodes), link, costs.gamma, segment_bytes)
+            return _tree_allreduce(shard, leaders, node, costs, segment_bytes, concurrent=shards)
+
+        between = across(costs)
+        window = min(INTER_WINDOW, blocks)
+        bytes_only = across(replace(costs, inter=replace(costs.inter, alpha=0.0)))
+        period = max(between / window, bytes_only)
+        return intra + between + (blocks - 1) * max(intra, period)
 
     return cost
 

@@ -147,6 +147,30 @@ class Group:
         if agreement is not None and not agreement.done:
             agreement.progress()
 
+    def wait_any(self, pendings: Sequence[Pending]) -> int:
+        """Wait until one of `pendings` completes, until the collective's deadline; return its index.
+
+        Checks as `wait` does: the header agreement advances while waiting, a failed operation
+        raises its error, and a timeout names the first of `pendings` (the one waited on longest
+        by the caller's convention).
+        """
+        requests = [pending.request for pending in pendings]
+        agreement = self.agreement
+        while True:
+            for index, pending in enumerate(pendings):
+                if pending.request.test():
+                    self.wait(pending)  # raises the operation's error; advances the agreement
+                    return index
+            checking = agreement is not None and not agreement.done
+            remaining = self.deadline - time.monotonic()
+            try:
+                self.transport.wait_any(requests, max(min(remaining, _CHECK_INTERVAL) if checking else remaining, 0.0))
+            except TimeoutError:
+                if checking:
+                    agreement.progress()
+                if time.monotonic() >= self.deadline:
+                    self._raise_timeout(pendings[0])
+
     def _raise_timeout(self, pending: Pending) -> None:
         me = self.transport.rank
         raise CollectiveTimeoutError(

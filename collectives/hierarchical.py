@@ -11,14 +11,43 @@ inter-node step should move as little as possible and use every rank's link at o
 Every byte crosses the inter-node network 2(N-1)/N times (N nodes) in parallel over the L ranks of
 a node, instead of the flat ring's 2(p-1)/p n through one link per rank pair.
 
+Pipelining: run one phase after another and the intra-node phases add to the inter-node one, which
+eats the gain wherever the node's own links are not much faster (loopback gRPC on a few cores is
+CPU-bound). So a large buffer is cut into B blocks (`pipeline_blocks`: one per `shards` segments,
+at most 8) and the three phases run as a pipeline over them, each block entering a phase once it
+has left the previous one; while block b crosses the nodes, block b+1 is reduce-scattered and block
+b-1 all-gathered inside the node. Two blocks cross the nodes at once (`INTER_WINDOW`, on
+alternating tags), so the link carries one block's messages while the other waits on a round trip
+or a reduction and never idles between blocks::
+
+    intra reduce-scatter   [0][1][2][3]
+    inter all-reduce          [0    ][2    ]
+                                 [1    ][3    ]
+    intra all-gather                 [0][1][2][3]
+    time ->
+
+One thread does it all: each phase of a block is a step machine (`schedule`) and the scheduler
+advances whichever can go on, so it runs on every transport, the simulated one included. The two
+intra-node phases talk on separate tags, since their messages interleave in a different order on
+every rank.
+
 Uneven nodes: the buffer is cut into M shards, M = the smallest node's rank count; on larger nodes
 local ranks >= M own no shard and sit out step 2. One node is a plain ring all-reduce; one rank
-per node is a plain `inner` all-reduce across nodes.
+per node is a plain `inner` all-reduce across nodes; neither is pipelined (there is nothing to
+overlap), nor is a buffer of fewer than 2 M segments (latency, not bandwidth, bounds it).
 
-Cost with N nodes of L ranks, intra-node (alpha_l, beta_l), inter-node (alpha_g, beta_g)::
+Cost with N nodes of L ranks, intra-node (alpha_l, beta_l), inter-node (alpha_g, beta_g), per
+block of n/B bytes::
 
-    2(L-1) alpha_l + 2(L-1)/L n beta_l + (L-1)/L n gamma           (steps 1 and 3)
-    + inner all-reduce of n/L bytes over N ranks on (alpha_g, beta_g)  (step 2)
+    intra(b) = 2(L-1) alpha_l + 2(L-1)/L (n/B) beta_l + (L-1)/L (n/B) gamma     (steps 1 and 3)
+    inter(b) = inner all-reduce of n/(B L) bytes over N ranks on (alpha_g, beta_g)  (step 2)
+    period   = max(inter(b) / W, inter(b) without its alpha_g terms)      W = INTER_WINDOW
+    total    = intra(b) + inter(b) + (B-1) max(intra(b), period)
+
+Both intra-node phases share each rank's intra-node links, so they count together against the
+inter-node phase: the pipeline runs at the pace of the slower side, plus filling and draining.
+With W blocks crossing at once, a block's latencies overlap the other blocks' bytes: a block
+leaves the inter-node phase every inter(b)/W at best, and never faster than its bytes cross.
 """
 
 from __future__ import annotations
@@ -30,13 +59,36 @@ import numpy as np
 from .group import Group
 from .layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from .ops import ReduceOp, finalize
-from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
-from .tree import tree_allreduce
+from .ring import ring_allgather_steps, ring_allreduce_steps, ring_reduce_scatter_steps
+from .schedule import Steps, run_pipeline
+from .tree import tree_allreduce_steps
 
-INNER_ALGORITHMS = {"ring": ring_allreduce, "tree": tree_allreduce}
+INNER_ALGORITHMS = {"ring": ring_allreduce_steps, "tree": tree_allreduce_steps}
 
-_INTRA_SUBTAG = 8
+MAX_PIPELINE_BLOCKS = 8
+"""More blocks shorten filling and draining but cost every phase more, smaller messages."""
+
+INTER_WINDOW = 2
+"""Blocks crossing the nodes at once: while one waits on a round trip or a reduction, the link
+carries the other's messages. (Two blocks in the intra-node reduce-scatter measured no better.)"""
+
+_REDUCE_SCATTER_SUBTAG = 8
 _INTER_SUBTAG = 16
+_ALLGATHER_SUBTAG = 24
+_WINDOW_SUBTAG_STRIDE = 4
+"""Blocks crossing the nodes at once talk on tags this far apart (a tree uses 4 subtags)."""
+
+
+def pipeline_blocks(nbytes: float, nodes: int, largest: int, shards: int, segment_bytes: int) -> int:
+    """How many blocks the phases are pipelined over: enough that every block gives each of the
+    `shards` local ranks a full segment, at most `MAX_PIPELINE_BLOCKS`, and 1 (no pipelining)
+    where one of the phases is empty (one node, or one rank per node).
+
+    A pure function of sizes, so every rank (and the cost model) cuts alike.
+    """
+    if nodes == 1 or largest == 1:
+        return 1
+    return int(max(1, min(MAX_PIPELINE_BLOCKS, nbytes // (shards * segment_bytes))))
 
 
 def hierarchical_allreduce(
@@ -60,16 +112,39 @@ def hierarchical_allreduce(
     node = next(ranks for ranks in nodes if me in ranks)
     local_rank = list(node).index(me)
     shards = min(len(ranks) for ranks in nodes)
-    shard_bounds = even_bounds(src.size, shards)
-    # Local ranks beyond the smallest node's size own empty chunks.
-    chunk_bounds = shard_bounds + [src.size] * (len(node) - shards)
+    largest = max(len(ranks) for ranks in nodes)
+    blocks = pipeline_blocks(src.nbytes, len(nodes), largest, shards, segment_bytes)
+    block_bounds = even_bounds(src.size, blocks)
 
-    intra = group.subgroup(node, _INTRA_SUBTAG)
-    ring_reduce_scatter(intra, src, dst, op, chunk_bounds, segment_bytes=segment_bytes)
+    def chunk_bounds(block: int) -> list[int]:
+        """Shard boundaries inside a block; local ranks beyond the smallest node's size own empty chunks."""
+        size = block_bounds[block + 1] - block_bounds[block]
+        return even_bounds(size, shards) + [size] * (len(node) - shards)
+
+    def view(buf: np.ndarray, block: int) -> np.ndarray:
+        return buf[block_bounds[block] : block_bounds[block + 1]]
+
+    scatter = group.subgroup(node, _REDUCE_SCATTER_SUBTAG)
+    gather = group.subgroup(node, _ALLGATHER_SUBTAG)
+    inter = None
     if local_rank < shards:
-        shard = dst[chunk_bounds[local_rank] : chunk_bounds[local_rank + 1]]
-        inter = group.subgroup([ranks[local_rank] for ranks in nodes], _INTER_SUBTAG)
-        sum_only = ReduceOp.SUM if op is ReduceOp.MEAN else op
-        INNER_ALGORITHMS[inner](inter, shard, shard, sum_only, segment_bytes=segment_bytes)
+        peers = [ranks[local_rank] for ranks in nodes]
+        inter = [group.subgroup(peers, _INTER_SUBTAG + _WINDOW_SUBTAG_STRIDE * k) for k in range(INTER_WINDOW)]
+    sum_only = ReduceOp.SUM if op is ReduceOp.MEAN else op
+
+    def reduce_scatter(block: int) -> Steps:
+        bounds = chunk_bounds(block)
+        return ring_reduce_scatter_steps(scatter, view(src, block), view(dst, block), op, bounds, segment_bytes=segment_bytes)
+
+    def across(block: int) -> Steps:
+        if inter is None:
+            return
+        bounds = chunk_bounds(block)
+        shard = view(dst, block)[bounds[local_rank] : bounds[local_rank + 1]]
+        yield from INNER_ALGORITHMS[inner](inter[block % INTER_WINDOW], shard, shard, sum_only, segment_bytes=segment_bytes)
         finalize(op, shard, group.size)
-    ring_allgather(intra, dst, chunk_bounds, segment_bytes=segment_bytes)
+
+    def allgather(block: int) -> Steps:
+        return ring_allgather_steps(gather, view(dst, block), chunk_bounds(block), segment_bytes=segment_bytes)
+
+    run_pipeline(group, [reduce_scatter, across, allgather], blocks, (1, INTER_WINDOW, 1))

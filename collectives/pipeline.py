@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ class ReduceStream:
         target: the array the spans index; gives the size and dtype of each message.
         reduce_segment: applied to every segment. With `fuse=True` it may run on another thread
             as soon as the segment arrives, so it must not depend on the order of segments; with
-            `fuse=False` it runs inside `next()`, in order.
+            `fuse=False` it runs inside `next_segment()`, in order.
     """
 
     def __init__(
@@ -75,12 +75,12 @@ class ReduceStream:
             self._posted.append((self._group.irecv(slot, self._peer, self._subtag), lo, hi, slot))
         self._next_to_post += 1
 
-    def next(self) -> None:
-        """Wait until the next segment has arrived and been reduced."""
+    def next_segment(self) -> Iterator[Pending]:
+        """Step machine (`schedule.Steps`): yields the next segment's receive, then reduces it."""
         if self._slot_in_use:
             self._post()  # the scratch slot consumed last time is free again
         self._slot_in_use = True
         pending, lo, hi, slot = self._posted.popleft()
-        self._group.wait(pending)
+        yield pending
         if slot is not None:
             self._reduce_segment(lo, hi, slot)

@@ -28,6 +28,9 @@ n bytes, p ranks)::
     all-reduce:     2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
 
 Bandwidth-optimal; the latency term grows linearly with p, which is why small messages go to trees.
+
+Each algorithm is a step machine (`*_steps`, see `schedule`) so that the hierarchical all-reduce can
+run several of them at once on one thread; the plain functions run one to the end.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .group import Group, Pending
 from .layout import DEFAULT_BLOCK_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds, segment_items, segments
 from .ops import ReduceOp, combine, finalize
 from .pipeline import ReduceStream
+from .schedule import Steps, run_steps
 
 
 def ring_reduce_scatter(
@@ -56,6 +60,19 @@ def ring_reduce_scatter(
     Other parts of `dst` are used as work space. `op` is applied without its final step (a `mean`
     is left as a sum): callers finalize. `src` may be `dst`.
     """
+    run_steps(group, ring_reduce_scatter_steps(group, src, dst, op, bounds, segment_bytes=segment_bytes))
+
+
+def ring_reduce_scatter_steps(
+    group: Group,
+    src: np.ndarray,
+    dst: np.ndarray,
+    op: ReduceOp,
+    bounds: Sequence[int],
+    *,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+) -> Steps:
+    """`ring_reduce_scatter` as a step machine."""
     p, r = group.size, group.rank
     if p == 1:
         if src is not dst:
@@ -77,10 +94,10 @@ def ring_reduce_scatter(
     spans = [(lo, hi) for _, lo, hi in incoming]
     stream = ReduceStream(group, left, 0, spans, dst, reduce_segment, fuse=True)
     for step, lo, hi in incoming:
-        stream.next()
+        yield from stream.next_segment()
         if step < p - 2:
             sends.append(group.isend(dst[lo:hi], right))
-    group.waitall(sends)
+    yield from sends
 
 
 def ring_allgather(
@@ -91,6 +108,17 @@ def ring_allgather(
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> None:
     """Given chunk r of `buf` on member r, fill in every other chunk from the other members."""
+    run_steps(group, ring_allgather_steps(group, buf, bounds, segment_bytes=segment_bytes))
+
+
+def ring_allgather_steps(
+    group: Group,
+    buf: np.ndarray,
+    bounds: Sequence[int],
+    *,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+) -> Steps:
+    """`ring_allgather` as a step machine."""
     p, r = group.size, group.rank
     if p == 1:
         return
@@ -105,10 +133,10 @@ def ring_allgather(
     incoming = [(step, lo, hi) for step in range(p - 1) for lo, hi in chunk_segments((r - step - 1) % p)]
     receives = [group.irecv(buf[lo:hi], left) for _, lo, hi in incoming]
     for (step, lo, hi), pending in zip(incoming, receives):
-        group.wait(pending)
+        yield pending
         if step < p - 2:
             sends.append(group.isend(buf[lo:hi], right))
-    group.waitall(sends)
+    yield from sends
 
 
 def ring_allreduce(
@@ -125,11 +153,25 @@ def ring_allreduce(
     A block holds at least one segment per member: with many members a fixed block would cut
     every step into tiny, latency-bound messages (4 MiB over 128 ranks is 32 KiB per step).
     """
+    steps = ring_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes, block_bytes=block_bytes)
+    run_steps(group, steps)
+
+
+def ring_allreduce_steps(
+    group: Group,
+    src: np.ndarray,
+    dst: np.ndarray,
+    op: ReduceOp,
+    *,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> Steps:
+    """`ring_allreduce` as a step machine."""
     block_bytes = max(block_bytes, group.size * segment_bytes)
     for lo, hi in segments(0, src.size, segment_items(src.itemsize, block_bytes)):
         block_src, block_dst = src[lo:hi], dst[lo:hi]
         bounds = even_bounds(block_src.size, group.size)
-        ring_reduce_scatter(group, block_src, block_dst, op, bounds, segment_bytes=segment_bytes)
+        yield from ring_reduce_scatter_steps(group, block_src, block_dst, op, bounds, segment_bytes=segment_bytes)
         own = group.rank
         finalize(op, block_dst[bounds[own] : bounds[own + 1]], group.size)
-        ring_allgather(group, block_dst, bounds, segment_bytes=segment_bytes)
+        yield from ring_allgather_steps(group, block_dst, bounds, segment_bytes=segment_bytes)

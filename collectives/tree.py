@@ -37,6 +37,7 @@ from .group import Group, Pending
 from .layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
 from .ops import ReduceOp, combine, finalize
 from .pipeline import ReduceStream
+from .schedule import Steps, run_steps
 
 
 @functools.lru_cache(maxsize=256)
@@ -80,6 +81,18 @@ def tree_allreduce(
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> None:
     """dst = op over all members of src, over a double binary tree; `src` may be `dst`."""
+    run_steps(group, tree_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes))
+
+
+def tree_allreduce_steps(
+    group: Group,
+    src: np.ndarray,
+    dst: np.ndarray,
+    op: ReduceOp,
+    *,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+) -> Steps:
+    """`tree_allreduce` as a step machine (`schedule`), for the hierarchical all-reduce."""
     p, r = group.size, group.rank
     if p == 1:
         if src is not dst:
@@ -117,12 +130,12 @@ def tree_allreduce(
     for tree, lo, hi in order:
         parent, children = trees[tree][0][r], trees[tree][1][r]
         for child in children:
-            streams[tree, child].next()
+            yield from streams[tree, child].next_segment()
         if parent is None:  # a root always has children when p > 1, so dst holds the result
             finalize(op, dst[lo:hi], p)
         else:
             sends.append(group.isend(dst[lo:hi] if children else src[lo:hi], parent, up_subtag[tree]))
-    group.waitall(sends)  # partial results must leave dst before the final results land there
+    yield from sends  # partial results must leave dst before the final results land there
 
     # Broadcast: receive each final segment from the parent, forward it to the children.
     receives = {
@@ -133,10 +146,10 @@ def tree_allreduce(
     sends = []
     for tree, lo, hi in order:
         if (tree, lo) in receives:
-            group.wait(receives[tree, lo])
+            yield receives[tree, lo]
         for child in trees[tree][1][r]:
             sends.append(group.isend(dst[lo:hi], child, down_subtag[tree]))
-    group.waitall(sends)
+    yield from sends
 
 
 def tree_broadcast(

@@ -1,0 +1,101 @@
+"""Step machines, and the scheduler that runs several of them on one thread.
+
+An algorithm written as a step machine is a generator that posts non-blocking sends and receives
+and yields each `Pending` it must see completed before it can go on (a receive it reduces, the
+sends that must leave a buffer before it is overwritten). Run alone (`run_steps`) it is the plain
+blocking algorithm: every yield is a `Group.wait`. Run as stages of a pipeline (`run_pipeline`), one
+thread advances several of them and waits for whichever operation completes first, so the phases of
+a collective overlap without a second thread. That matters because a transport may not be safe for
+two threads inside one collective, and because the simulated backend times each rank as one thread
+on its virtual clock: a helper thread there would stop the simulation.
+
+Every wait goes through the collective's `Group`, so it keeps its deadline and the header
+agreement's progress, and a failure names rank, peer and tag as a single wait would.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+from .group import Group, Pending
+
+Steps = Iterator[Pending]
+"""A step machine: yields what it waits for; resumed once that has completed."""
+
+Stage = Callable[[int], Steps]
+"""stage(block): the step machine of one pipeline stage on one block."""
+
+
+def run_steps(group: Group, steps: Steps) -> None:
+    """Run one step machine to the end, waiting for what it yields in turn."""
+    for pending in steps:
+        group.wait(pending)
+
+
+class _Machine:
+    """One stage running on one block, and what it waits on (None while it can go on)."""
+
+    __slots__ = ("block", "steps", "pending", "since")
+
+    def __init__(self, block: int, steps: Steps) -> None:
+        self.block = block
+        self.steps = steps
+        self.pending: Pending | None = None
+        self.since = 0
+        """When it started waiting, in the scheduler's count of waits: the oldest is named on a timeout."""
+
+
+def run_pipeline(group: Group, stages: Sequence[Stage], blocks: int, windows: Sequence[int] | None = None) -> None:
+    """Run every stage on every block: stage k on block b starts once stage k-1 has finished block
+    b and stage k has finished every block before b - windows[k] + 1.
+
+    A window of 1 (the default) runs a stage on one block at a time; a wider window lets a stage
+    work on several blocks at once, so a link never idles while one block waits on a round trip
+    (the blocks' messages must then be told apart, e.g. by tags). All machines that can go on are
+    advanced (later stages first, so finished blocks leave the pipeline before new ones enter it;
+    older blocks first within a stage), then the scheduler waits for the first completion among
+    the operations they wait on; a timeout names the operation waited on longest. `group` is any
+    group of the collective (they share deadline and agreement): the operations carry their own
+    peers and tags.
+    """
+    count = len(stages)
+    windows = [1] * count if windows is None else list(windows)
+    done = [[False] * blocks for _ in range(count)]
+    lowest = [0] * count
+    """Per stage: the first block it has not finished."""
+    started = [0] * count
+    running: list[list[_Machine]] = [[] for _ in range(count)]
+    """Per stage, its machines in block order."""
+    clock = 0
+    while True:
+        sweep = True
+        while sweep:  # again after a machine finished a block: the next stage may start it
+            sweep = False
+            for stage in reversed(range(count)):
+                machines = running[stage]
+                progress = True
+                while progress:  # again after a block finished: this stage may start one more
+                    progress = False
+                    block = started[stage]
+                    while block < blocks and block < lowest[stage] + windows[stage] and (stage == 0 or done[stage - 1][block]):
+                        machines.append(_Machine(block, stages[stage](block)))
+                        block = started[stage] = block + 1
+                    for machine in [machine for machine in machines if machine.pending is None]:
+                        try:
+                            machine.pending = next(machine.steps)
+                            machine.since = clock
+                            clock += 1
+                        except StopIteration:
+                            machines.remove(machine)
+                            done[stage][machine.block] = True
+                            while lowest[stage] < blocks and done[stage][lowest[stage]]:
+                                lowest[stage] += 1
+                            progress = sweep = True
+        outstanding = sorted((machine for machines in running for machine in machines), key=lambda machine: machine.since)
+        if not outstanding:
+            return
+        if len(outstanding) == 1:  # nothing to overlap: wait as a blocking algorithm would
+            group.wait(outstanding[0].pending)
+            outstanding[0].pending = None
+        else:
+            outstanding[group.wait_any([machine.pending for machine in outstanding])].pending = None

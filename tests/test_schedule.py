@@ -1,0 +1,210 @@
+"""Step machines and the one-thread pipeline scheduler (collectives.schedule), with Group.wait_any:
+stage order, overlap, timeouts that name the peer, mismatches, and exact timing on the simulated
+clock."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from backends.errors import CollectiveTimeoutError, MismatchError
+from backends.simulated import Cluster, Link, SimulatedTransport, simulate
+from backends.threads import ThreadFabric
+from collectives.group import Group
+from collectives.schedule import Steps, run_pipeline, run_steps
+
+TAG = 64
+
+
+def on_threads(body: Callable[[Group], Any], size: int, *, timeout: float = 5.0, headers: dict[int, bytes] | None = None) -> list[Any]:
+    """Run body(group) on `size` thread ranks; each rank's result or the exception it raised."""
+    fabric = ThreadFabric([f"node{rank}" for rank in range(size)])
+    outcomes: list[Any] = [None] * size
+
+    def rank_main(rank: int) -> None:
+        header = (headers or {}).get(rank, b"schedule test")
+        group = Group(fabric.endpoint(rank), tuple(range(size)), TAG, header, time.monotonic() + timeout, timeout)
+        try:
+            outcomes[rank] = body(group)
+        except Exception as error:  # noqa: BLE001 - the test inspects it
+            outcomes[rank] = error
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return outcomes
+
+
+def exchange(group: Group, buf: np.ndarray, subtag: int, log: list, name: tuple) -> Steps:
+    """A step machine: swap `buf` with the other of two ranks, logging its start and end."""
+    log.append(("start", *name))
+    peer = 1 - group.rank
+    incoming = np.empty_like(buf)
+    receive = group.irecv(incoming, peer, subtag)
+    send = group.isend(buf, peer, subtag)
+    yield receive
+    yield send
+    buf += incoming
+    log.append(("end", *name))
+
+
+def test_pipeline_respects_stage_and_block_order() -> None:
+    """Stage k of block b starts only after stage k-1 of b and stage k of b-1 have ended; every
+    stage runs on every block, and later stages overlap earlier ones of later blocks."""
+    blocks, stages = 4, 3
+
+    def body(group: Group) -> tuple[list, np.ndarray]:
+        log: list = []
+        data = np.full(blocks, group.rank + 1.0)
+
+        def stage(k: int) -> Callable[[int], Steps]:
+            return lambda b: exchange(group, data[b : b + 1], k, log, (k, b))
+
+        run_pipeline(group, [stage(k) for k in range(stages)], blocks)
+        return log, data
+
+    for outcome in on_threads(body, 2):
+        assert not isinstance(outcome, Exception), outcome
+        log, data = outcome
+        assert data.tolist() == [12.0] * blocks  # 1 + 2, doubled by each later stage
+        position = {entry: index for index, entry in enumerate(log)}
+        assert len(position) == 2 * blocks * stages
+        for k in range(stages):
+            for b in range(blocks):
+                if k > 0:
+                    assert position["end", k - 1, b] < position["start", k, b]
+                if b > 0:
+                    assert position["end", k, b - 1] < position["start", k, b]
+        assert position["start", 1, 0] < position["end", 0, 1], "stages did not overlap"
+
+
+def test_pipeline_window_runs_blocks_of_one_stage_at_once() -> None:
+    """With a window of 2, stage k starts block b once it has finished block b-2 (not b-1), so two
+    blocks of a stage are under way at once; blocks still enter a stage after leaving the one before."""
+    blocks, windows = 6, (1, 2, 1)
+
+    def body(group: Group) -> tuple[list, np.ndarray]:
+        log: list = []
+        data = np.full(blocks, group.rank + 1.0)
+
+        def stage(k: int) -> Callable[[int], Steps]:
+            return lambda b: exchange(group, data[b : b + 1], 2 * k + b % windows[k], log, (k, b))
+
+        run_pipeline(group, [stage(k) for k in range(len(windows))], blocks, windows)
+        return log, data
+
+    for outcome in on_threads(body, 2):
+        assert not isinstance(outcome, Exception), outcome
+        log, data = outcome
+        assert data.tolist() == [12.0] * blocks
+        position = {entry: index for index, entry in enumerate(log)}
+        assert len(position) == 2 * blocks * len(windows)
+        for k, window in enumerate(windows):
+            for b in range(blocks):
+                if k > 0:
+                    assert position["end", k - 1, b] < position["start", k, b]
+                if b >= window:
+                    assert position["end", k, b - window] < position["start", k, b]
+        assert position["start", 1, 1] < position["end", 1, 0], "the window did not overlap blocks"
+
+
+def test_threads_wait_any_wakes_at_a_later_request() -> None:
+    """The threads backend's wait_any returns as soon as any request completes, not only the first
+    (no polling slice to sit out), and raises TimeoutError when none does."""
+    fabric = ThreadFabric(["a", "b"])
+    me, peer = fabric.endpoint(0), fabric.endpoint(1)
+    never = me.irecv(np.empty(1), 1, 5, b"h")
+    late = me.irecv(np.empty(1), 1, 6, b"h")
+    with pytest.raises(TimeoutError):
+        me.wait_any([never, late], 0.05)
+    timer = threading.Timer(0.1, lambda: peer.isend(np.ones(1), 0, 6, b"h"))
+    timer.start()
+    started = time.monotonic()
+    me.wait_any([never, late], 5.0)
+    assert late.test() and not never.test()
+    assert time.monotonic() - started < 1.0
+    timer.join()
+
+
+def test_run_steps_is_the_blocking_algorithm() -> None:
+    """One step machine run alone gives the same result as in a pipeline."""
+
+    def body(group: Group) -> float:
+        data = np.full(1, group.rank + 1.0)
+        run_steps(group, exchange(group, data, 0, [], ()))
+        return float(data[0])
+
+    assert on_threads(body, 2) == [3.0, 3.0]
+
+
+def test_pipeline_timeout_names_the_peer_and_tag_waited_on_longest() -> None:
+    """Two stages wait at once on receives that never come (rank 1 sends nothing): the wait fails
+    at the deadline with a CollectiveTimeoutError naming rank 0, peer 1 and the tag of the receive
+    posted first (stage 0 on block 1; stage 1 on block 0 comes after it)."""
+
+    def body(group: Group) -> None:
+        if group.rank == 1:
+            return None
+
+        def silent(subtag: int) -> Callable[[int], Steps]:
+            def steps(block: int) -> Steps:
+                if subtag == 5 and block == 0:
+                    return
+                yield group.irecv(np.empty(1), 1, subtag)
+
+            return steps
+
+        run_pipeline(group, [silent(5), silent(6)], 2)
+
+    started = time.monotonic()
+    outcomes = on_threads(body, 2, timeout=0.3)
+    error = outcomes[0]
+    assert isinstance(error, CollectiveTimeoutError), error
+    assert 0.25 < time.monotonic() - started < 5
+    assert (error.rank, error.peer, error.tag, error.seconds) == (0, 1, TAG + 5, 0.3)
+    assert "receive from rank 1" in str(error) and f"tag {TAG + 5}" in str(error)
+
+
+def test_pipeline_mismatch_is_reported() -> None:
+    """Ranks whose headers differ fail with MismatchError naming both, from inside a pipeline."""
+
+    def body(group: Group) -> None:
+        data = np.zeros(3)
+        run_pipeline(group, [lambda b: exchange(group, data, 0, [], ()), lambda b: exchange(group, data, 1, [], ())], 2)
+
+    outcomes = on_threads(body, 2, headers={0: b"allreduce op=sum", 1: b"allreduce op=max"})
+    assert all(isinstance(outcome, MismatchError) for outcome in outcomes), outcomes
+    assert all("op=sum" in str(outcome) and "op=max" in str(outcome) for outcome in outcomes)
+
+
+def test_simulated_wait_any_resumes_at_the_first_completion() -> None:
+    """On the virtual clock a rank waiting for a long send and a short receive resumes when the
+    receive completes, and the send completes at its own time."""
+    link = Link(alpha=1e-6, bandwidth=1e9)
+
+    def body(t: SimulatedTransport) -> tuple[int, float, float] | None:
+        group = Group(t, tuple(range(t.size)), TAG, b"h", math.inf, math.inf)
+        if t.rank == 0:
+            large = group.isend(t.empty(1_000_000, np.uint8), 1)
+            small = group.irecv(t.empty(1000, np.uint8), 2)
+            first = group.wait_any([large, small])
+            arrived = t.clock()
+            group.wait(large)
+            return first, arrived, t.clock()
+        if t.rank == 1:
+            group.wait(group.irecv(t.empty(1_000_000, np.uint8), 0))
+        else:
+            group.wait(group.isend(t.empty(1000, np.uint8), 0))
+        return None
+
+    first, arrived, last = simulate(body, Cluster(1, 3, link, link), timing_only=True).results[0]
+    assert first == 1
+    assert arrived == pytest.approx(link.alpha + 1000 / link.bandwidth)
+    assert last == pytest.approx(link.alpha + 1_000_000 / link.bandwidth)
