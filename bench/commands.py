@@ -51,7 +51,9 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     what = f"{spec.collective} {spec.dtype}" + (f" {spec.op}" if spec.collective in ("allreduce", "reduce_scatter") else "")
     header = (
         f"{what}, {args.backend} backend, {ranks} ranks"
-        f"{f', {layout} per node' if layout else ''};\n# time = median over {spec.iterations} "
+        f"{f', {layout} per node' if layout else ''}"
+        f"{f' on {args.emulate_nodes} emulated nodes, links {args.inter_gbit:g} Gbit/s' if args.emulate_nodes else ''}"
+        f";\n# time = median over {spec.iterations} "
         f"iterations of the slowest rank"
     )
     print(f"# {header}")
