@@ -10,10 +10,9 @@ on its sender, so a stream of S segments costs S t(m/S), not t(m) + (S-1) m/S be
                   (p-1) (S t(m/S) + m/S gamma)  +  (p-1) S t(m/S)
                   reduce-scatter, then all-gather, paced by the ring's slowest link (inter, with
                   k = ring edges leaving a node, when the ring crosses nodes)
-    tree          each tree carries n/2 in S = ceil(n/2s) segments of m bytes; per tree, up (reduce)
-                  and down (broadcast) run at once, and the two trees independently:
-                  fill + (S-1) period, timed on the schedule itself for S <= 3
-                  fill = the slowest root-to-leaf-and-back path, sum of t(m) (+ the reductions);
+    tree          each tree carries n/2 in S = ceil(n/2s) segments of m bytes; up (reduce) then down:
+                  fill_up + (S-1) period_up  +  fill_down + (S-1) period_down
+                  fill = the slowest root-to-leaf path, sum of t(m) (+ the reductions going up);
                   period = the busiest resource per pair of segments: a rank's send port
                   (sum of t(m) over its sends), its receive port, a node's NIC, a rank's reductions
     hierarchical  B blocks (`hierarchical.pipeline_blocks`), shard h = n/(B M) per block:
@@ -35,7 +34,6 @@ they make is within a few percent of the best algorithm (docs/selector.md).
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import replace
 from typing import Callable, Sequence
@@ -120,10 +118,11 @@ def _tree_allreduce(
 ) -> float:
     """Double binary tree over `members` (global ranks); `concurrent` such trees share the NICs.
 
-    The two trees, and each tree's reduction and broadcast, run side by side at their own pace,
-    sharing each rank's send port; the segments' hops overlap in ways no closed form follows
-    well, so the schedule itself is timed (`_tree_schedule`) for one to three segments per tree,
-    and longer streams are extrapolated from the last period, which is constant from then on.
+    Each rank handles the two trees' segments strictly in turn (A0 B0 A1 B1 ...), so a rank's
+    progress in one tree waits for its progress in the other, and the pipeline's period is a cycle
+    of hops that zigzags between the trees rather than one hop. No closed form follows that well,
+    so the schedule itself is timed (`_tree_schedule`) for one to three segments per tree, and
+    longer streams are extrapolated from the last period, which is constant from then on.
     """
     p = len(members)
     if p == 1:
@@ -152,59 +151,59 @@ def _tree_allreduce(
 def _tree_schedule(trees: tuple, link: Callable[[int, int], LinkCost], piece: float, gamma: float, count: int) -> float:
     """Time `tree.tree_allreduce`'s schedule with `count` segments of `piece` bytes per tree.
 
-    Each rank runs four programs side by side, as the code runs each tree's reduction and its
-    broadcast as separate step machines: per tree, up (receive and reduce each child's segment,
-    send the sum to the parent, or at the root hand it to down) and down (receive each final
-    segment from the parent, forward it to the children). A rank's sends leave one after another
-    from its send port; a message arrives alpha + m beta after it leaves. The operation ready
-    first runs first, so the port serves the programs' sends in the order they become ready.
+    Every rank runs its program in order (receive and reduce each child's segment, send to the
+    parent; after all sends are done, receive from the parent and forward to the children); a
+    rank's sends leave one after another from its send port; a message arrives alpha + m beta
+    after it leaves. Ranks are advanced in turn until each has run its whole program.
     """
     p = len(trees[0][0])
-    programs: list[tuple[int, list[tuple]]] = []
+    order = [(tree, k) for k in range(count) for tree in (0, 1)]
+    programs: list[list[tuple]] = []
     for rank in range(p):
-        for tree, (parents, children) in enumerate(trees):
-            up: list[tuple] = []
-            down: list[tuple] = []
-            for k in range(count):
-                for child in children[rank]:
-                    up.append(("recv", ("up", tree, k, child)))
-                    up.append(("compute", piece * gamma))
-                if parents[rank] is None:
-                    up.append(("final", ("down", tree, k, rank)))
-                else:
-                    up.append(("send", ("up", tree, k, rank), link(rank, parents[rank])))
-                down.append(("recv", ("down", tree, k, rank)))
-                for child in children[rank]:
-                    down.append(("send", ("down", tree, k, child), link(rank, child)))
-            programs += [(rank, up), (rank, down)]
+        ops: list[tuple] = []
+        for tree, k in order:
+            parents, children = trees[tree]
+            for child in children[rank]:
+                ops.append(("recv", ("up", tree, k, child)))
+                ops.append(("compute", piece * gamma))
+            if parents[rank] is not None:
+                ops.append(("send", ("up", tree, k, rank), link(rank, parents[rank])))
+        ops.append(("drain",))
+        for tree, k in order:
+            parents, children = trees[tree]
+            if parents[rank] is not None:
+                ops.append(("recv", ("down", tree, k, rank)))
+            for child in children[rank]:
+                ops.append(("send", ("down", tree, k, child), link(rank, child)))
+        ops.append(("drain",))
+        programs.append(ops)
     arrival: dict[tuple, float] = {}
-    waiting: dict[tuple, list[int]] = {}
-    clock = [0.0] * len(programs)
-    position = [0] * len(programs)
+    clock = [0.0] * p
     port = [0.0] * p
-    ready = [(0.0, index) for index in range(len(programs))]
-    while ready:
-        _, index = heapq.heappop(ready)
-        rank, ops = programs[index]
-        if position[index] == len(ops):
-            continue
-        op = ops[position[index]]
-        if op[0] == "recv":
-            if op[1] not in arrival:
-                waiting.setdefault(op[1], []).append(index)
-                continue
-            clock[index] = max(clock[index], arrival[op[1]])
-        elif op[0] == "compute":
-            clock[index] += op[1]
-        else:
-            if op[0] == "send":
-                port[rank] = max(clock[index], port[rank]) + op[2].time(piece)
-            arrival[op[1]] = port[rank] if op[0] == "send" else clock[index]
-            for other in waiting.pop(op[1], ()):
-                heapq.heappush(ready, (max(clock[other], arrival[op[1]]), other))
-        position[index] += 1
-        heapq.heappush(ready, (clock[index], index))
-    return max(max(clock), max(port))
+    position = [0] * p
+    unfinished = p
+    while unfinished:
+        for rank in range(p):
+            ops = programs[rank]
+            at = position[rank]
+            while at < len(ops):
+                op = ops[at]
+                if op[0] == "recv":
+                    if op[1] not in arrival:
+                        break
+                    clock[rank] = max(clock[rank], arrival[op[1]])
+                elif op[0] == "send":
+                    port[rank] = max(clock[rank], port[rank]) + op[2].time(piece)
+                    arrival[op[1]] = port[rank]
+                elif op[0] == "compute":
+                    clock[rank] += op[1]
+                else:
+                    clock[rank] = max(clock[rank], port[rank])
+                at += 1
+            if at == len(ops) and position[rank] < len(ops):
+                unfinished -= 1
+            position[rank] = at
+    return max(clock)
 
 
 # -- the algorithms ---------------------------------------------------------------------------------

@@ -5,9 +5,7 @@ and yields each `Pending` it must see completed before it can go on (a receive i
 sends that must leave a buffer before it is overwritten). Run alone (`run_steps`) it is the plain
 blocking algorithm: every yield is a `Group.wait`. Run as stages of a pipeline (`run_pipeline`), one
 thread advances several of them and waits for whichever operation completes first, so the phases of
-a collective overlap without a second thread; `concurrently` does the same for independent machines,
-such as the two trees of the tree all-reduce. A machine that runs others is a step machine too: it
-yields every operation they wait on at once (`AnyOf`), so pipelines nest. That matters because a transport may not be safe for
+a collective overlap without a second thread. That matters because a transport may not be safe for
 two threads inside one collective, and because the simulated backend times each rank as one thread
 on its virtual clock: a helper thread there would stop the simulation.
 
@@ -17,24 +15,12 @@ agreement's progress, and a failure names rank, peer and tag as a single wait wo
 
 from __future__ import annotations
 
-from typing import Callable, Generator, NamedTuple, Sequence, Union
+from typing import Callable, Iterator, Sequence
 
 from .group import Group, Pending
 
-
-class AnyOf(NamedTuple):
-    """What a step machine yields when it can go on once any one of `pendings` has completed.
-
-    It is resumed with the index of that one (`generator.send`), so a machine that itself runs
-    several machines (`pipeline_steps`) waits on all of theirs at once instead of on one at a time.
-    """
-
-    pendings: tuple[Pending, ...]
-
-
-Steps = Generator[Union[Pending, AnyOf], Union[int, None], None]
-"""A step machine: yields what it waits for; resumed once that has completed (with the index of
-the completed one after an `AnyOf`, None otherwise)."""
+Steps = Iterator[Pending]
+"""A step machine: yields what it waits for; resumed once that has completed."""
 
 Stage = Callable[[int], Steps]
 """stage(block): the step machine of one pipeline stage on one block."""
@@ -42,47 +28,24 @@ Stage = Callable[[int], Steps]
 
 def run_steps(group: Group, steps: Steps) -> None:
     """Run one step machine to the end, waiting for what it yields in turn."""
-    resume: int | None = None
-    while True:
-        try:
-            waited = steps.send(resume)
-        except StopIteration:
-            return
-        if isinstance(waited, AnyOf):
-            resume = group.wait_any(waited.pendings)
-        else:
-            group.wait(waited)
-            resume = None
+    for pending in steps:
+        group.wait(pending)
 
 
 class _Machine:
     """One stage running on one block, and what it waits on (None while it can go on)."""
 
-    __slots__ = ("block", "steps", "pending", "resume", "since")
+    __slots__ = ("block", "steps", "pending", "since")
 
     def __init__(self, block: int, steps: Steps) -> None:
         self.block = block
         self.steps = steps
-        self.pending: Pending | AnyOf | None = None
-        self.resume: int | None = None
-        """What the machine is resumed with: which of its `AnyOf` completed."""
+        self.pending: Pending | None = None
         self.since = 0
         """When it started waiting, in the scheduler's count of waits: the oldest is named on a timeout."""
 
 
 def run_pipeline(group: Group, stages: Sequence[Stage], blocks: int, windows: Sequence[int] | None = None) -> None:
-    """Run `pipeline_steps` to the end. `group` is any group of the collective (they share deadline
-    and agreement): the operations carry their own peers and tags."""
-    run_steps(group, pipeline_steps(stages, blocks, windows))
-
-
-def concurrently(machines: Sequence[Steps]) -> Steps:
-    """One step machine that runs `machines` side by side, each at its own pace: whichever can go
-    on does, so one that waits on a slow peer never holds up the others."""
-    return pipeline_steps([lambda index: machines[index]], len(machines), [len(machines)])
-
-
-def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] | None = None) -> Steps:
     """Run every stage on every block: stage k on block b starts once stage k-1 has finished block
     b and stage k has finished every block before b - windows[k] + 1.
 
@@ -90,9 +53,10 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
     work on several blocks at once, so a link never idles while one block waits on a round trip
     (the blocks' messages must then be told apart, e.g. by tags). All machines that can go on are
     advanced (later stages first, so finished blocks leave the pipeline before new ones enter it;
-    older blocks first within a stage), then every operation they wait on is yielded as one
-    `AnyOf`, the one waited on longest first (a timeout names it), and the machine whose operation
-    completed first goes on. A step machine itself, so pipelines nest.
+    older blocks first within a stage), then the scheduler waits for the first completion among
+    the operations they wait on; a timeout names the operation waited on longest. `group` is any
+    group of the collective (they share deadline and agreement): the operations carry their own
+    peers and tags.
     """
     count = len(stages)
     windows = [1] * count if windows is None else list(windows)
@@ -118,7 +82,7 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
                         block = started[stage] = block + 1
                     for machine in [machine for machine in machines if machine.pending is None]:
                         try:
-                            machine.pending = machine.steps.send(machine.resume)
+                            machine.pending = next(machine.steps)
                             machine.since = clock
                             clock += 1
                         except StopIteration:
@@ -130,18 +94,8 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
         outstanding = sorted((machine for machines in running for machine in machines), key=lambda machine: machine.since)
         if not outstanding:
             return
-        # Each operation waited on, as (machine, its index in the machine's AnyOf or None).
-        waits = [
-            (machine, index)
-            for machine in outstanding
-            for index in (range(len(machine.pending.pendings)) if isinstance(machine.pending, AnyOf) else (None,))
-        ]
-        if len(waits) == 1:  # nothing to overlap: wait as a blocking algorithm would
-            machine, index = waits[0]
-            pending = machine.pending
-            yield pending if index is None else pending.pendings[index]
+        if len(outstanding) == 1:  # nothing to overlap: wait as a blocking algorithm would
+            group.wait(outstanding[0].pending)
+            outstanding[0].pending = None
         else:
-            operations = tuple(machine.pending if index is None else machine.pending.pendings[index] for machine, index in waits)
-            machine, index = waits[(yield AnyOf(operations))]
-        machine.pending = None
-        machine.resume = index
+            outstanding[group.wait_any([machine.pending for machine in outstanding])].pending = None

@@ -15,9 +15,8 @@ p; for odd p the second tree is shifted and rank 0 is inner in both)::
 
 Tree A follows NCCL's bit rule: the parent of r is found by clearing r's lowest set bit and setting
 the next one up (or just clearing it if that is past the end). Both halves are cut into segments
-that flow up (reduce) and then down (broadcast) the trees as a pipeline. Each tree runs as its own
-step machines (`schedule.concurrently`), its reduction and broadcast at once, so a slow link or a
-late peer in one tree never holds up the other, and a segment starts down as soon as it is reduced.
+that flow up (reduce) and then down (broadcast) the trees as a pipeline; the two trees alternate
+segment by segment so each rank's links in both trees stay busy.
 
 Cost for n bytes on p ranks, with S segments (each tree carries n/2)::
 
@@ -37,8 +36,8 @@ import numpy as np
 from .group import Group, Pending
 from .layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
 from .ops import ReduceOp, combine, finalize
-from .pipeline import PIPELINE_DEPTH, ReduceSegment, ReduceStream
-from .schedule import Steps, concurrently, pipeline_steps, run_steps
+from .pipeline import ReduceStream
+from .schedule import Steps, run_steps
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,57 +101,55 @@ def tree_allreduce_steps(
     trees = double_binary_tree(p)
     half = src.size // 2
     per_segment = segment_items(src.itemsize, segment_bytes)
-    halves = [(0, half), (half, src.size)]
+    pieces = [segments(0, half, per_segment), segments(half, src.size, per_segment)]
+    # Alternate the trees segment by segment: (tree, lo, hi) in the order every rank processes.
+    order = [
+        (tree, *pieces[tree][k])
+        for k in range(max(len(pieces[0]), len(pieces[1])))
+        for tree in (0, 1)
+        if k < len(pieces[tree])
+    ]
+    up_subtag, down_subtag = (0, 1), (2, 3)
 
-    def one_tree(tree: int) -> Steps:
-        """Tree `tree`'s half of the buffer: up (reduce), then down (broadcast), per segment."""
+    # Reduce: combine the children's partial results into dst, pass them to the parent. The
+    # second child's segment is added to the first's sum, so reductions run in order (fuse=False).
+    def reducer(first: bool):
+        def reduce_segment(lo: int, hi: int, received: np.ndarray) -> None:
+            combine(op, src[lo:hi] if first else dst[lo:hi], received, out=dst[lo:hi])
+
+        return reduce_segment
+
+    streams = {
+        (tree, child): ReduceStream(
+            group, child, up_subtag[tree], pieces[tree], dst, reducer(index == 0), fuse=False
+        )
+        for tree in (0, 1)
+        for index, child in enumerate(trees[tree][1][r])
+    }
+    sends: list[Pending] = []
+    for tree, lo, hi in order:
         parent, children = trees[tree][0][r], trees[tree][1][r]
-        pieces = segments(*halves[tree], per_segment)
-        up_subtag, down_subtag = 2 * tree, 2 * tree + 1
+        for child in children:
+            yield from streams[tree, child].next_segment()
+        if parent is None:  # a root always has children when p > 1, so dst holds the result
+            finalize(op, dst[lo:hi], p)
+        else:
+            sends.append(group.isend(dst[lo:hi] if children else src[lo:hi], parent, up_subtag[tree]))
+    yield from sends  # partial results must leave dst before the final results land there
 
-        # The second child's segment is added to the first's sum, so reductions run in order
-        # (fuse=False) and every rank's result is the root's, bit for bit.
-        def reducer(first: bool) -> ReduceSegment:
-            def reduce_segment(lo: int, hi: int, received: np.ndarray) -> None:
-                combine(op, src[lo:hi] if first else dst[lo:hi], received, out=dst[lo:hi])
-
-            return reduce_segment
-
-        streams = [
-            ReduceStream(group, child, up_subtag, pieces, dst, reducer(index == 0), fuse=False)
-            for index, child in enumerate(children)
-        ]
-        sent_up: dict[int, Pending] = {}
-        received: dict[int, Pending] = {}
-
-        def up(segment: int) -> Steps:
-            """Combine the children's partial results into dst and pass them on to the parent."""
-            lo, hi = pieces[segment]
-            for stream in streams:
-                yield from stream.next_segment()
-            if parent is None:  # a root always has children when p > 1, so dst holds the result
-                finalize(op, dst[lo:hi], p)
-            else:
-                sent_up[segment] = group.isend(dst[lo:hi] if children else src[lo:hi], parent, up_subtag)
-
-        def post(segment: int) -> Steps:
-            """Post the receive of the final segment, in segment order (they match in posting order),
-            once the partial result has left dst: the final one lands there."""
-            if parent is not None:
-                yield sent_up.pop(segment)
-                lo, hi = pieces[segment]
-                received[segment] = group.irecv(dst[lo:hi], parent, down_subtag)
-
-        def down(segment: int) -> Steps:
-            """Receive the final segment from the parent and forward it to the children."""
-            if parent is not None:
-                yield received.pop(segment)
-            lo, hi = pieces[segment]
-            yield from [group.isend(dst[lo:hi], child, down_subtag) for child in children]
-
-        return pipeline_steps([up, post, down], len(pieces), (1, 1, PIPELINE_DEPTH))
-
-    yield from concurrently([one_tree(0), one_tree(1)])
+    # Broadcast: receive each final segment from the parent, forward it to the children.
+    receives = {
+        (tree, lo): group.irecv(dst[lo:hi], trees[tree][0][r], down_subtag[tree])
+        for tree, lo, hi in order
+        if trees[tree][0][r] is not None
+    }
+    sends = []
+    for tree, lo, hi in order:
+        if (tree, lo) in receives:
+            yield receives[tree, lo]
+        for child in trees[tree][1][r]:
+            sends.append(group.isend(dst[lo:hi], child, down_subtag[tree]))
+    yield from sends
 
 
 def tree_broadcast(
