@@ -17,13 +17,13 @@ from typing import Sequence
 
 import numpy as np
 
-from backends.simulated import Cluster, RankSteps, SimulatedTransport, SimulationResult, simulate_steps
+from backends.simulated import Cluster, RankSteps, SimulatedTransport, SimulationResult, simulate, simulate_steps
 
 from .allreduce import allreduce_steps
 from .group import SUBTAGS_PER_COLLECTIVE, Group, Pending
 from .layout import DEFAULT_SEGMENT_BYTES
 from .ops import ReduceOp
-from .schedule import Waits
+from .schedule import Waits, drive
 from .topology import Topology
 
 
@@ -35,25 +35,39 @@ def simulate_allreduce(
     dtype: str = "float32",
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     timing_only: bool = True,
+    threaded: bool = False,
 ) -> SimulationResult[np.ndarray | None]:
     """Simulate one sum all-reduce of `nbytes` per rank with `algorithm` on `cluster`.
 
     With `timing_only=False` every rank reduces real data (rank r contributes r + 1 everywhere)
-    and returns its result, so correctness can be checked too.
+    and returns its result, so correctness can be checked too. With `threaded=True` each rank waits
+    for its operations blocking, as `run_allreduce` does, on its own thread under `simulate`: the
+    same virtual times, far slower; what the one-thread driver is checked and benchmarked against.
     """
     itemsize = np.dtype(dtype).itemsize
     count = nbytes // itemsize
     nodes = Topology(cluster.hosts).nodes
     header = f"simulated allreduce algorithm={algorithm} count={count} dtype={dtype}".encode()
 
-    def rank_main(transport: SimulatedTransport) -> RankSteps[np.ndarray | None]:
+    def start(transport: SimulatedTransport) -> tuple[Group, Waits, np.ndarray]:
         group = Group(transport, tuple(range(transport.size)), SUBTAGS_PER_COLLECTIVE, header, math.inf, math.inf)
         src = transport.empty(count, dtype)
         src[...] = transport.rank + 1
         dst = transport.empty(count, dtype)
-        yield from rank_steps(allreduce_steps(algorithm, group, nodes, src, dst, ReduceOp.SUM, segment_bytes=segment_bytes))
+        return group, allreduce_steps(algorithm, group, nodes, src, dst, ReduceOp.SUM, segment_bytes=segment_bytes), dst
+
+    def rank_main(transport: SimulatedTransport) -> RankSteps[np.ndarray | None]:
+        _, waits, dst = start(transport)
+        yield from rank_steps(waits)
         return None if timing_only else dst.view(np.ndarray)
 
+    def rank_thread(transport: SimulatedTransport) -> np.ndarray | None:
+        group, waits, dst = start(transport)
+        drive(group, waits)
+        return None if timing_only else dst.view(np.ndarray)
+
+    if threaded:
+        return simulate(rank_thread, cluster, timing_only=timing_only)
     return simulate_steps(rank_main, cluster, timing_only=timing_only)
 
 
