@@ -53,6 +53,7 @@ simulation. When every live rank waits and no message is in flight, the waits fa
 
 from __future__ import annotations
 
+import gc
 import heapq
 import threading
 import _thread
@@ -258,6 +259,7 @@ class Simulator:
         self.cluster = cluster
         self.timing_only = timing_only
         size = cluster.size
+        self._size = size
         self._node = [cluster.node_of(rank) for rank in range(size)]
         self._ranks = [_Rank() for _ in range(size)]
         self._ready: list[tuple[float, int]] = [(0.0, rank) for rank in range(size)]
@@ -328,6 +330,8 @@ class Simulator:
         """What each rank yielded last: `_Rank.waiting` is cleared when one of them completes."""
         self._stepping = True
         _current.sim = self
+        collecting = gc.isenabled()
+        gc.disable()  # millions of live, acyclic requests: the cycle collector would only rescan them
         try:
             while (rank := self._next()) is not None:
                 _current.rank = rank
@@ -352,6 +356,8 @@ class Simulator:
         finally:
             self._stepping = False
             _current.sim = None
+            if collecting:
+                gc.enable()
         return results, errors
 
     @staticmethod
@@ -432,6 +438,7 @@ class Simulator:
             return
         request.completed = True
         request.error = error
+        request.buf = None  # the caller's again: a long run keeps only what is in flight
         self._pending.discard(request)
         state = self._ranks[request.rank]
         if request in state.waiting:
@@ -547,7 +554,7 @@ class Simulator:
     def _new_request(self, kind: str, rank: int, peer: int, tag: int, buf: Any, header: bytes) -> _Request:
         if getattr(_current, "sim", None) is not self or _current.rank != rank:
             raise RuntimeError(f"rank {rank}'s simulated transport was used outside its rank's thread")
-        if not 0 <= peer < self.cluster.size:
+        if not 0 <= peer < self._size:
             raise ValueError(f"rank {rank}: peer {peer} is outside the world of size {self.cluster.size}")
         request = _Request(self, kind, rank, peer, tag, buf, header)
         refusal = None if self._abort is None and not self._closed else self._refusal(rank, peer)
