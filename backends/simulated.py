@@ -45,9 +45,10 @@ function call, so the same algorithm code simulates several times faster and 102
 1024 threads. Both use the same event queue and resume ranks in the same order, so their virtual
 times are identical; the algorithms' step machines (`collectives.schedule`) run under either.
 
-Limits: only blocking use is supported (an algorithm or a blocking `Communicator` call on each
-rank's own thread); a rank that blocks on anything but a simulated request would stop the whole
-simulation. When every live rank waits and no message is in flight, the waits fail with
+Limits: under `simulate` only blocking use is supported (an algorithm or a blocking
+`Communicator` call on each rank's own thread), and under `simulate_steps` a rank must yield
+instead of blocking (it is told so if it blocks); a rank that blocks on anything but a simulated
+request would stop the whole simulation. When every live rank waits and no message is in flight, the waits fail with
 `CollectiveTimeoutError` ("simulated deadlock") instead of hanging.
 """
 
