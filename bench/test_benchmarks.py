@@ -6,6 +6,11 @@
 
 4 ranks, 2 per emulated node, at 4 KiB, 1 MiB and 16 MiB of float32.
 
+Also the simulated backend's own speed (`test_simulator`): real seconds for one timing-only 256 MiB
+all-reduce on 64 ranks with every rank's algorithm as a generator on one thread against one thread
+per rank (the ratio is what counts on a shared machine), and on 256 ranks with the one-thread
+driver alone (a thread per rank takes about 10 s there).
+
 Why a persistent world: `run_threads` starts 4 threads and builds 4 communicators (a host exchange
 among them) on every call, which costs more than a 4 KiB all-reduce; benchmarking it would time
 start-up, not the algorithm. So the ranks start once per module and wait on a queue each; the
@@ -27,7 +32,9 @@ from typing import Iterator
 import numpy as np
 import pytest
 
+from backends.simulated import Cluster, Link
 from collectives import Communicator, run_threads
+from collectives.simulation import simulate_allreduce
 
 RANKS = 4
 RANKS_PER_NODE = 2
@@ -90,3 +97,23 @@ def test_allreduce(benchmark, world: World, algorithm: str, size: str) -> None:
     benchmark(world.allreduce, algorithm, nbytes)
     expected = RANKS * (RANKS + 1) // 2
     assert all(np.all(out == expected) for out in world.outputs[nbytes])
+
+
+def _simulated_cluster(nodes: int) -> Cluster:
+    """Nodes of 8 ranks; inter-node links 10x slower than intra-node ones, as in the selector's grid."""
+    intra, inter = Link(1e-6, 50e9), Link(10e-6, 5e9)
+    return Cluster(nodes, 8, intra, inter, nic_bandwidth=10e9, gamma=1 / 20e9)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "driver"), [(8, "threads"), (8, "one thread"), (32, "one thread")], ids=["64-threads", "64-one-thread", "256-one-thread"]
+)
+@pytest.mark.parametrize("algorithm", ("ring", "tree", "hierarchical"))
+def test_simulator(benchmark, algorithm: str, nodes: int, driver: str) -> None:
+    cluster = _simulated_cluster(nodes)
+    benchmark.group = f"simulated 256 MiB {algorithm} all-reduce, {cluster.size} ranks (real seconds)"
+    benchmark.extra_info.update(ranks=cluster.size, driver=driver)
+    run = benchmark.pedantic(
+        simulate_allreduce, args=(cluster, algorithm, 256 << 20), kwargs={"threaded": driver == "threads"}, rounds=3, iterations=1
+    )
+    assert run.messages > 0

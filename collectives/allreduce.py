@@ -11,11 +11,12 @@ from typing import Sequence
 import numpy as np
 
 from .group import Group
-from .hierarchical import hierarchical_allreduce
+from .hierarchical import hierarchical_allreduce_steps
 from .ops import ReduceOp
-from .reference import reference_allreduce
-from .ring import ring_allreduce
-from .tree import tree_allreduce
+from .reference import reference_allreduce_steps
+from .ring import ring_allreduce_steps
+from .schedule import Waits, drive
+from .tree import tree_allreduce_steps
 
 ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
 """The library's all-reduce algorithms; they run on every backend."""
@@ -35,14 +36,28 @@ def run_allreduce(
 
     `nodes` lists the member indices of each node (used by the hierarchical algorithms).
     """
+    drive(group, allreduce_steps(algorithm, group, nodes, src, dst, op, segment_bytes=segment_bytes))
+
+
+def allreduce_steps(
+    algorithm: str,
+    group: Group,
+    nodes: Sequence[Sequence[int]],
+    src: np.ndarray,
+    dst: np.ndarray,
+    op: ReduceOp,
+    *,
+    segment_bytes: int,
+) -> Waits:
+    """`run_allreduce` as a step machine (`schedule.Waits`), for drivers that do not block (the
+    simulator runs every rank's machine on one thread); checks `algorithm` when called."""
     if algorithm == "reference":
-        reference_allreduce(group, src, dst, op)
-    elif algorithm == "hierarchical" or algorithm == "hierarchical_tree":
+        return reference_allreduce_steps(group, src, dst, op)
+    if algorithm == "hierarchical" or algorithm == "hierarchical_tree":
         inner = "tree" if algorithm == "hierarchical_tree" else "ring"
-        hierarchical_allreduce(group, nodes, src, dst, op, inner=inner, segment_bytes=segment_bytes)
-    elif algorithm == "ring":
-        ring_allreduce(group, src, dst, op, segment_bytes=segment_bytes)
-    elif algorithm == "tree":
-        tree_allreduce(group, src, dst, op, segment_bytes=segment_bytes)
-    else:
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {ALLREDUCE_ALGORITHMS}")
+        return hierarchical_allreduce_steps(group, nodes, src, dst, op, inner=inner, segment_bytes=segment_bytes)
+    if algorithm == "ring":
+        return ring_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes)
+    if algorithm == "tree":
+        return tree_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes)
+    raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {ALLREDUCE_ALGORITHMS}")

@@ -60,7 +60,7 @@ from .group import Group
 from .layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from .ops import ReduceOp, finalize
 from .ring import ring_allgather_steps, ring_allreduce_steps, ring_reduce_scatter_steps
-from .schedule import Steps, run_pipeline
+from .schedule import Steps, Waits, drive, pipeline_steps
 from .tree import tree_allreduce_steps
 
 INNER_ALGORITHMS = {"ring": ring_allreduce_steps, "tree": tree_allreduce_steps}
@@ -106,6 +106,20 @@ def hierarchical_allreduce(
     Args:
         inner: the all-reduce used between nodes, "ring" or "tree".
     """
+    drive(group, hierarchical_allreduce_steps(group, nodes, src, dst, op, inner=inner, segment_bytes=segment_bytes))
+
+
+def hierarchical_allreduce_steps(
+    group: Group,
+    nodes: Sequence[Sequence[int]],
+    src: np.ndarray,
+    dst: np.ndarray,
+    op: ReduceOp,
+    *,
+    inner: str = "ring",
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+) -> Waits:
+    """`hierarchical_allreduce` as a step machine; checks its arguments when called, not when run."""
     if inner not in INNER_ALGORITHMS:
         raise ValueError(f"inner algorithm must be one of {sorted(INNER_ALGORITHMS)}, got {inner!r}")
     me = group.rank
@@ -147,4 +161,4 @@ def hierarchical_allreduce(
     def allgather(block: int) -> Steps:
         return ring_allgather_steps(gather, view(dst, block), chunk_bounds(block), segment_bytes=segment_bytes)
 
-    run_pipeline(group, [reduce_scatter, across, allgather], blocks, (1, INTER_WINDOW, 1))
+    return pipeline_steps([reduce_scatter, across, allgather], blocks, (1, INTER_WINDOW, 1))

@@ -12,20 +12,26 @@ import numpy as np
 
 from .group import Group
 from .ops import ReduceOp, combine, finalize
+from .schedule import Steps, run_steps
 
 
 def reference_allreduce(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> None:
     """dst = op over all members of src, reduced on member 0 in rank order; `src` may be `dst`."""
+    run_steps(group, reference_allreduce_steps(group, src, dst, op))
+
+
+def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> Steps:
+    """`reference_allreduce` as a step machine (`schedule`)."""
     p, r = group.size, group.rank
     if r != 0:
-        group.wait(group.isend(src, 0))
-        group.wait(group.irecv(dst, 0))
+        yield group.isend(src, 0)
+        yield group.irecv(dst, 0)
         return
     contributions = np.empty((p - 1, src.size), dtype=src.dtype)
-    group.waitall([group.irecv(contributions[peer - 1], peer) for peer in range(1, p)])
+    yield from [group.irecv(contributions[peer - 1], peer) for peer in range(1, p)]
     if src is not dst:
         dst[...] = src
     for contribution in contributions:
         combine(op, dst, contribution, out=dst)
     finalize(op, dst, p)
-    group.waitall([group.isend(dst, peer) for peer in range(1, p)])
+    yield from [group.isend(dst, peer) for peer in range(1, p)]

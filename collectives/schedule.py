@@ -11,11 +11,16 @@ on its virtual clock: a helper thread there would stop the simulation.
 
 Every wait goes through the collective's `Group`, so it keeps its deadline and the header
 agreement's progress, and a failure names rank, peer and tag as a single wait would.
+
+The pipeline scheduler is itself a generator (`pipeline_steps`, a `Waits`: it yields one `Pending`
+or a list to wait for the first of), so a whole collective can be driven without blocking: `drive`
+runs it on the calling thread with `Group.wait`/`Group.wait_any`, while the simulated backend runs
+the collectives of every rank in one thread on its event queue (`collectives.simulation`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 from .group import Group, Pending
 
@@ -24,6 +29,11 @@ Steps = Iterator[Pending]
 
 Stage = Callable[[int], Steps]
 """stage(block): the step machine of one pipeline stage on one block."""
+
+Waits = Generator[Pending | list[Pending], int | None, None]
+"""A step machine that may also wait for the first of several operations: it yields a `Pending`
+(resumed with None once it completed) or a list of them (resumed with the index of the first one
+found completed, in list order, as `Group.wait_any` returns it). Every `Steps` is one."""
 
 
 def run_steps(group: Group, steps: Steps) -> None:
@@ -45,7 +55,26 @@ class _Machine:
         """When it started waiting, in the scheduler's count of waits: the oldest is named on a timeout."""
 
 
+def drive(group: Group, waits: Waits) -> None:
+    """Run a `Waits` machine to the end on this thread, blocking in `group` for what it yields."""
+    try:
+        item = next(waits)
+        while True:
+            if isinstance(item, Pending):
+                group.wait(item)
+                item = waits.send(None)
+            else:
+                item = waits.send(group.wait_any(item))
+    except StopIteration:
+        return
+
+
 def run_pipeline(group: Group, stages: Sequence[Stage], blocks: int, windows: Sequence[int] | None = None) -> None:
+    """Run every stage on every block, as `pipeline_steps` orders them, blocking on this thread."""
+    drive(group, pipeline_steps(stages, blocks, windows))
+
+
+def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] | None = None) -> Waits:
     """Run every stage on every block: stage k on block b starts once stage k-1 has finished block
     b and stage k has finished every block before b - windows[k] + 1.
 
@@ -54,9 +83,9 @@ def run_pipeline(group: Group, stages: Sequence[Stage], blocks: int, windows: Se
     (the blocks' messages must then be told apart, e.g. by tags). All machines that can go on are
     advanced (later stages first, so finished blocks leave the pipeline before new ones enter it;
     older blocks first within a stage), then the scheduler waits for the first completion among
-    the operations they wait on; a timeout names the operation waited on longest. `group` is any
-    group of the collective (they share deadline and agreement): the operations carry their own
-    peers and tags.
+    the operations they wait on, oldest first in what it yields, so a timeout names the operation
+    waited on longest. The operations carry their own peers and tags, so any group of the
+    collective (they share deadline and agreement) can wait for them.
     """
     count = len(stages)
     windows = [1] * count if windows is None else list(windows)
@@ -95,7 +124,8 @@ def run_pipeline(group: Group, stages: Sequence[Stage], blocks: int, windows: Se
         if not outstanding:
             return
         if len(outstanding) == 1:  # nothing to overlap: wait as a blocking algorithm would
-            group.wait(outstanding[0].pending)
+            yield outstanding[0].pending
             outstanding[0].pending = None
         else:
-            outstanding[group.wait_any([machine.pending for machine in outstanding])].pending = None
+            index = yield [machine.pending for machine in outstanding]
+            outstanding[index].pending = None

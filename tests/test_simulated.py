@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backends.errors import CollectiveTimeoutError, MismatchError
-from backends.simulated import Cluster, Link, SimulatedTransport, simulate
+from backends.simulated import Cluster, Link, RankSteps, SimulatedTransport, simulate, simulate_steps
 from collectives.allreduce import ALLREDUCE_ALGORITHMS
 from collectives.simulation import simulate_allreduce
 
@@ -97,6 +97,73 @@ def test_256_ranks() -> None:
     """The simulator runs the real tree all-reduce on 256 ranks."""
     run = simulate_allreduce(cluster(32, 8), "tree", 4096)
     assert run.messages > 0 and math.isfinite(run.time)
+
+
+def test_1024_ranks_on_one_thread() -> None:
+    """The one-thread driver runs the real tree all-reduce on 1024 ranks, each sending its share."""
+    run = simulate_allreduce(cluster(128, 8), "tree", 1 << 16)
+    assert len(run.finish_times) == 1024 and math.isfinite(run.time)
+    assert 2 * 1023 * 2 <= run.messages <= 2 * 1024 * 4  # up and down both trees, a few segments
+
+
+@pytest.mark.parametrize("algorithm", ALLREDUCE_ALGORITHMS)
+@pytest.mark.parametrize(("nodes", "per_node", "nbytes"), [(2, 3, 4004), (3, 2, 3 << 16), (2, 4, 1 << 20)])
+def test_one_thread_driver_matches_a_thread_per_rank(algorithm: str, nodes: int, per_node: int, nbytes: int) -> None:
+    """Generators on one thread and a blocking thread per rank give the same results, virtual
+    times (to the last bit) and message counts, contended NICs and gammas included."""
+    shape = cluster(nodes, per_node, nic_bandwidth=1.5e8, gamma=1e-10)
+    steps = simulate_allreduce(shape, algorithm, nbytes, timing_only=False, segment_bytes=4096)
+    threads = simulate_allreduce(shape, algorithm, nbytes, timing_only=False, segment_bytes=4096, threaded=True)
+    assert steps.finish_times == threads.finish_times and steps.messages == threads.messages
+    for mine, theirs in zip(steps.results, threads.results):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_generator_ranks_cost_what_threads_cost() -> None:
+    """`simulate_steps` resumes a rank with the index of the first completed request it yielded."""
+
+    def body(t: SimulatedTransport) -> RankSteps[tuple[int, float]]:
+        buf = t.empty(1000, np.uint8)
+        if t.rank == 0:
+            slow, fast = t.isend(buf, 2, 0, H), t.isend(buf, 1, 0, H)
+            first = yield [slow, fast]
+            yield [slow]
+            return first, t.clock()
+        if t.rank < 3:
+            yield [t.irecv(buf, 0, 0, H)]
+        return 0, t.clock()
+
+    run = simulate_steps(body, cluster(2, 2), timing_only=True)
+    intra = INTRA.alpha + 1000 / INTRA.bandwidth
+    inter = INTER.alpha + 1000 / INTER.bandwidth
+    assert run.results[0][0] == 1
+    assert run.finish_times == pytest.approx((inter, intra, inter, 0.0))
+
+
+def test_generator_ranks_report_failures() -> None:
+    """Under `simulate_steps` a deadlock and a mismatch raise as under threads, and a rank that
+    blocks its thread instead of yielding is told to yield."""
+
+    def deadlock(t: SimulatedTransport) -> RankSteps[None]:
+        if t.rank == 0:
+            yield [t.irecv(t.empty(1, np.uint8), 1, 0, H)]
+
+    with pytest.raises(CollectiveTimeoutError, match="simulated deadlock"):
+        simulate_steps(deadlock, cluster(1, 2))
+
+    def mismatch(t: SimulatedTransport) -> RankSteps[None]:
+        buf = t.empty(1, np.uint8)
+        yield [t.isend(buf, 1, 0, b"allreduce") if t.rank == 0 else t.irecv(buf, 0, 0, b"barrier")]
+
+    with pytest.raises(MismatchError, match="barrier"):
+        simulate_steps(mismatch, cluster(1, 2))
+
+    def blocking(t: SimulatedTransport) -> RankSteps[None]:
+        t.irecv(t.empty(1, np.uint8), 1 - t.rank, 0, H).wait(None)
+        yield []
+
+    with pytest.raises(RuntimeError, match="yield"):
+        simulate_steps(blocking, cluster(1, 2))
 
 
 def test_deadlock_is_reported_not_hung() -> None:
