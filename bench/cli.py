@@ -3,7 +3,7 @@
     python -m bench [-c allreduce] [-a ring,tree,...] [-b 4K -e 64M -f 4] [-d float32] [-o sum]
                     [-w 2 -i 9] [-n 4 --ranks-per-node 2] [--backend threads|mpi|grpc|simulated]
                     [--csv PATH] [--json PATH] [--plot PATH] [--probe | --tune] [--explain]
-    python -m bench scaling [--plot PATH] [--csv PATH] [--simulate-up-to 1024] [--measured 2,4,8]
+    python -m bench scaling [--plot PATH] [--csv PATH] [--simulate-up-to 256] [--measured 2,4,8]
 
 The first form prints an nccl-tests table (out-of-place and in-place columns, `#wrong` from an exact
 check) for one collective on one backend. With `--backend mpi` or `grpc` the ranks are processes
@@ -149,8 +149,9 @@ def build_scaling_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compute-seconds", type=float, default=0.12, help="compute time of one step (default 0.12)")
     parser.add_argument("--bucket-mib", type=float, default=25, help="gradient bucket size in MiB (default 25)")
     parser.add_argument(
-        "--simulate-up-to", type=int, default=1024,
-        help="also run the simulated backend up to this many ranks (default 1024; 0: model only)",
+        "--simulate-up-to", type=int, default=256,
+        help="also run the simulated backend up to this many ranks (default 256, about a minute; "
+        "1024 takes several minutes; 0: model only)",
     )
     parser.add_argument(
         "--measured", type=_int_list, default=None, metavar="RANKS",
