@@ -37,7 +37,7 @@ import struct
 from dataclasses import dataclass
 from typing import Mapping
 
-from .base import ENV_RANKS_PER_NODE, emulated_host
+from .base import emulated_host
 
 ENV_RANK = "COLLECTIVES_RANK"
 ENV_WORLD_SIZE = "COLLECTIVES_WORLD_SIZE"

@@ -86,6 +86,57 @@ def wake(waiter: _thread.LockType | None) -> None:
             pass
 
 
+class LockRequest:
+    """A posted send or receive that a thread of the backend completes: a `WakingRequest`.
+
+    Completion is a raw lock held from creation until the request finishes: the cheapest
+    primitive CPython has (an Event costs a Condition and several Python-level calls per message).
+    The threads and gRPC backends share it; completing drops the buffer and the callback, which
+    are the caller's again.
+    """
+
+    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "consume", "waiter", "_done", "_error")
+
+    def __init__(
+        self,
+        kind: str,
+        rank: int,
+        peer: int,
+        tag: int,
+        buf: Buffer,
+        header: bytes,
+        consume: Callable[[Buffer], None] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.rank = rank
+        self.peer = peer
+        self.tag = tag
+        self.buf = buf
+        self.header = header
+        self.consume = consume
+        self._done = _thread.allocate_lock()
+        self._done.acquire()
+        self._error: CollectiveError | None = None
+        self.waiter: _thread.LockType | None = None
+
+    def wait(self, timeout: float | None) -> None:
+        if not self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise TimeoutError(f"{self.kind} rank {self.rank} <-> {self.peer} tag {self.tag}")
+        self._done.release()  # stay completed for any later wait or test
+        if self._error is not None:
+            raise self._error
+
+    def test(self) -> bool:
+        return not self._done.locked()
+
+    def _finish(self, error: CollectiveError | None = None) -> None:
+        """Complete the request (exactly once), with `error` if it failed."""
+        self._error = error
+        self.buf = self.consume = None
+        self._done.release()
+        wake(self.waiter)
+
+
 def wait_first(requests: Sequence[WakingRequest], timeout: float) -> None:
     """`Transport.wait_any` for requests that wake their waiter: block until one completes.
 

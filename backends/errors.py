@@ -7,6 +7,8 @@ a log from one rank of many: it names the rank that raised, the peer involved an
 
 from __future__ import annotations
 
+from typing import Container
+
 
 class CollectiveError(RuntimeError):
     """Base class of every error a collective operation or a transport raises."""
@@ -54,6 +56,18 @@ ABORT_LOST = "lost"
 def abort_kind(error: BaseException) -> str:
     """The kind under which an error is propagated to peers when a rank aborts."""
     return ABORT_MISMATCH if isinstance(error, MismatchError) else ABORT_LOST
+
+
+def post_refusal(abort: tuple[int, str, str] | None, closed: Container[int], rank: int, peer: int) -> CollectiveError | None:
+    """Why an in-process fabric must fail a new send or receive between `rank` and `peer` at once,
+    or None: the world aborted (`abort` is its (origin, kind, text)), or either side has closed."""
+    if abort is not None:
+        return error_from_abort(*abort, rank=rank)
+    if rank in closed:
+        return PeerLostError(f"rank {rank}: transport already closed")
+    if peer in closed:
+        return PeerLostError(f"rank {rank}: peer rank {peer} has closed its transport")
+    return None
 
 
 def error_from_abort(origin: int, kind: str, text: str, *, rank: int) -> CollectiveError:

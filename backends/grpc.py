@@ -86,7 +86,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import _grpc_config as wire
-from .base import Transport, check_buffer, wait_first, wake
+from .base import LockRequest, Transport, check_buffer, wait_first
 from .errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -164,10 +164,11 @@ def _identity(data: bytes) -> bytes:
 # -- requests ----------------------------------------------------------------------------------------
 
 
-class _Request:
-    """A posted send or receive; completed (once) by whichever thread finishes it."""
+class _Request(LockRequest):
+    """A posted send or receive. Several threads may race to complete one (a frame arriving, an
+    abort, a close), so completing first claims it: the first outcome wins."""
 
-    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "consume", "waiter", "_done", "_claim", "_error")
+    __slots__ = ("_claim",)
 
     def __init__(
         self,
@@ -179,41 +180,18 @@ class _Request:
         header: bytes,
         consume: Callable[[np.ndarray], None] | None = None,
     ) -> None:
-        self.kind = kind
-        self.rank = rank
-        self.peer = peer
-        self.tag = tag
-        self.buf = buf
-        self.header = header
-        self.consume = consume
-        self._done = _thread.allocate_lock()
-        self._done.acquire()
+        super().__init__(kind, rank, peer, tag, buf, header, consume)
         self._claim = _thread.allocate_lock()
-        self._error: CollectiveError | None = None
-        self.waiter: _thread.LockType | None = None
-
-    def wait(self, timeout: float | None) -> None:
-        if not self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            raise TimeoutError(f"{self.kind} rank {self.rank} <-> {self.peer} tag {self.tag}")
-        self._done.release()
-        if self._error is not None:
-            raise self._error
-
-    def test(self) -> bool:
-        return not self._done.locked()
 
     @property
     def finished(self) -> bool:
         return self._claim.locked()
 
-    def _finish(self, error: CollectiveError | None = None) -> bool:
+    def _finish(self, error: CollectiveError | None = None) -> bool:  # type: ignore[override]
         """Complete the request; False if it was already completed (the first outcome wins)."""
         if not self._claim.acquire(False):
             return False
-        self._error = error
-        self.buf = self.consume = None
-        self._done.release()
-        wake(self.waiter)
+        super()._finish(error)
         return True
 
 

@@ -65,7 +65,7 @@ from typing import Any, Callable, Generator, Generic, Sequence, TypeVar
 import numpy as np
 
 from .base import Transport
-from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerLostError, abort_kind, error_from_abort
+from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerLostError, abort_kind, error_from_abort, post_refusal
 
 T = TypeVar("T")
 
@@ -558,7 +558,7 @@ class Simulator:
         if not 0 <= peer < self._size:
             raise ValueError(f"rank {rank}: peer {peer} is outside the world of size {self.cluster.size}")
         request = _Request(self, kind, rank, peer, tag, buf, header)
-        refusal = None if self._abort is None and not self._closed else self._refusal(rank, peer)
+        refusal = None if self._abort is None and not self._closed else post_refusal(self._abort, self._closed, rank, peer)
         if refusal is not None:
             self._complete(request, self._ranks[rank].clock, refusal)
         else:
@@ -590,15 +590,6 @@ class Simulator:
             np.copyto(target.view(np.uint8), source.view(np.uint8))
 
     # -- failures ----------------------------------------------------------------------------------
-
-    def _refusal(self, rank: int, peer: int) -> CollectiveError | None:
-        if self._abort is not None:
-            return error_from_abort(*self._abort, rank=rank)
-        if rank in self._closed:
-            return PeerLostError(f"rank {rank}: transport already closed")
-        if peer in self._closed:
-            return PeerLostError(f"rank {rank}: peer rank {peer} has closed its transport")
-        return None
 
     def abort(self, origin: int, error: BaseException) -> None:
         if self._abort is None:

@@ -13,66 +13,17 @@ another one raised.
 
 from __future__ import annotations
 
-import _thread
 import threading
 from collections import deque
 from typing import Callable, Sequence
 
 import numpy as np
 
-from .base import Transport, check_buffer, wait_first, wake
-from .errors import CollectiveError, MismatchError, PeerLostError, abort_kind, error_from_abort
+from .base import LockRequest, Transport, check_buffer, wait_first
+from .errors import MismatchError, PeerLostError, abort_kind, error_from_abort, post_refusal
 
 _SEND = "send"
 _RECV = "recv"
-
-
-class _ThreadRequest:
-    """A posted send or receive; completed by the fabric.
-
-    Completion is a raw lock held from creation until the request finishes: the cheapest
-    primitive CPython has (an Event costs a Condition and several Python-level calls per message).
-    """
-
-    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "consume", "waiter", "_done", "_error")
-
-    def __init__(
-        self,
-        kind: str,
-        rank: int,
-        peer: int,
-        tag: int,
-        buf: np.ndarray,
-        header: bytes,
-        consume: Callable[[np.ndarray], None] | None = None,
-    ):
-        self.kind = kind
-        self.consume = consume
-        self.rank = rank
-        self.peer = peer
-        self.tag = tag
-        self.buf = buf
-        self.header = header
-        self._done = _thread.allocate_lock()
-        self._done.acquire()
-        self._error: CollectiveError | None = None
-        self.waiter: _thread.LockType | None = None
-
-    def wait(self, timeout: float | None) -> None:
-        if not self._done.acquire(timeout=-1 if timeout is None else timeout):
-            raise TimeoutError(f"{self.kind} rank {self.rank} <-> {self.peer} tag {self.tag}")
-        self._done.release()  # stay completed for any later wait or test
-        if self._error is not None:
-            raise self._error
-
-    def test(self) -> bool:
-        return not self._done.locked()
-
-    def _finish(self, error: CollectiveError | None = None) -> None:
-        self._error = error
-        self.buf = self.consume = None  # drop references: the buffer is the caller's again
-        self._done.release()
-        wake(self.waiter)
 
 
 class ThreadFabric:
@@ -84,8 +35,8 @@ class ThreadFabric:
         self.hosts = tuple(hosts)
         self.size = len(self.hosts)
         self._lock = threading.Lock()
-        self._unmatched: dict[tuple[str, int, int, int], deque[_ThreadRequest]] = {}
-        self._pending: set[_ThreadRequest] = set()
+        self._unmatched: dict[tuple[str, int, int, int], deque[LockRequest]] = {}
+        self._pending: set[LockRequest] = set()
         self._closed: set[int] = set()
         self._abort: tuple[int, str, str] | None = None
 
@@ -102,16 +53,16 @@ class ThreadFabric:
         buf: np.ndarray,
         header: bytes,
         consume: Callable[[np.ndarray], None] | None = None,
-    ) -> _ThreadRequest:
+    ) -> LockRequest:
         """Post a send or receive; complete it at once if its partner is already waiting."""
         check_buffer(buf)
         if not 0 <= peer < self.size:
             raise ValueError(f"rank {rank}: peer {peer} is outside the world of size {self.size}")
-        request = _ThreadRequest(kind, rank, peer, tag, buf, header, consume)
+        request = LockRequest(kind, rank, peer, tag, buf, header, consume)
         src, dst = (rank, peer) if kind == _SEND else (peer, rank)
         partner_kind = _RECV if kind == _SEND else _SEND
         with self._lock:
-            failure = self._refusal(rank, peer)
+            failure = post_refusal(self._abort, self._closed, rank, peer)
             if failure is not None:
                 request._finish(failure)
                 return request
@@ -125,16 +76,6 @@ class ThreadFabric:
         send, recv = (request, partner) if kind == _SEND else (partner, request)
         _deliver(send, recv)
         return request
-
-    def _refusal(self, rank: int, peer: int) -> CollectiveError | None:
-        """The error a new post must fail with, or None. Called with the lock held."""
-        if self._abort is not None:
-            return error_from_abort(*self._abort, rank=rank)
-        if rank in self._closed:
-            return PeerLostError(f"rank {rank}: transport already closed")
-        if peer in self._closed:
-            return PeerLostError(f"rank {rank}: peer rank {peer} has closed its transport")
-        return None
 
     def abort(self, origin: int, error: BaseException) -> None:
         """Fail every pending and future request of every rank with `error` from `origin`."""
@@ -166,7 +107,7 @@ class ThreadFabric:
             )
 
 
-def _deliver(send: _ThreadRequest, recv: _ThreadRequest) -> None:
+def _deliver(send: LockRequest, recv: LockRequest) -> None:
     """Copy a matched message, or fail both sides saying what each expected."""
     error = None
     if send.header != recv.header:
@@ -209,15 +150,15 @@ class ThreadTransport(Transport):
         self.size = fabric.size
         self.host = fabric.hosts[rank]
 
-    def isend(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> _ThreadRequest:
+    def isend(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> LockRequest:
         return self.fabric.post(_SEND, self.rank, dst, tag, buf, header)
 
-    def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> _ThreadRequest:
+    def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> LockRequest:
         return self.fabric.post(_RECV, self.rank, src, tag, buf, header)
 
     fuses_receive_reduce = True
 
-    def wait_any(self, requests: Sequence[_ThreadRequest], timeout: float) -> None:  # type: ignore[override]
+    def wait_any(self, requests: Sequence[LockRequest], timeout: float) -> None:  # type: ignore[override]
         """Block until one of `requests` completes: its completion wakes this thread, no polling."""
         wait_first(requests, timeout)
 
@@ -228,7 +169,7 @@ class ThreadTransport(Transport):
         tag: int,
         header: bytes,
         consume: Callable[[np.ndarray], None],
-    ) -> _ThreadRequest:
+    ) -> LockRequest:
         return self.fabric.post(_RECV, self.rank, src, tag, buf, header, consume)
 
     def abort(self, error: BaseException) -> None:
