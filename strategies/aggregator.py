@@ -122,11 +122,9 @@ class GradientAggregator:
         (e.g. a timeline marker for the end of backprop) runs after the hand-offs, not before.
         """
         tf = tensorflow()
-        gradients = list(gradients)
+        gradients = self._as_sent(tf, gradients)
         if variables is not None and len(variables) != len(gradients):
             raise ValueError(f"got {len(gradients)} gradients for {len(variables)} variables")
-        if self.sparse_as_dense:
-            gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
         if self.comm.size == 1:
             return gradients
         kinds = tuple(_kind(tf, g) for g in gradients)
@@ -168,9 +166,7 @@ class GradientAggregator:
         """Eager `aggregate` for gradients some of which hooks already handed to `exchange` during
         backprop (`handed_over`: variable index -> the gradient handed over)."""
         tf = tensorflow()
-        gradients = list(gradients)
-        if self.sparse_as_dense:
-            gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+        gradients = self._as_sent(tf, gradients)
         kinds = tuple(_kind(tf, g) for g in gradients)
         current = self._exchange(tf, gradients, kinds)
         if current is not exchange:  # the layout changed on every rank: finish what was started
@@ -223,6 +219,12 @@ class GradientAggregator:
         return gradients
 
     # -- shared --------------------------------------------------------------------------------
+
+    def _as_sent(self, tf, gradients: Sequence[Any]) -> list[Any]:
+        """The gradients as they will travel: `IndexedSlices` made dense if `sparse_as_dense`."""
+        if not self.sparse_as_dense:
+            return list(gradients)
+        return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
 
     def _exchange(self, tf, gradients, kinds) -> BucketExchange:
         """The (cached) exchange for this layout of gradients: made once, reused every step."""

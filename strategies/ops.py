@@ -91,7 +91,7 @@ def broadcast_variables(variables: Sequence[Any], root: int = 0, comm: Communica
     else:
         received = tf.numpy_function(exchange, values, [value.dtype for value in values], stateful=True, name="collectives_broadcast_variables")
     for variable, value in zip(variables, received):
-        variable.assign(tf.reshape(value, variable.shape) if not tf.executing_eagerly() else value)
+        variable.assign(tf.reshape(value, variable.shape))  # a numpy_function's output has no static shape
 
 
 def _apply(tf, function: Callable[[np.ndarray], np.ndarray], tensor: Any, shape: Any, name: str) -> Any:
