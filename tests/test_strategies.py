@@ -268,6 +268,8 @@ def test_missing_tensorflow_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
 
 
 # -- whole training runs in real processes -----------------------------------------------------------
+# Their TMPDIR is the test's own directory, so what they leave there (TensorFlow's autograph
+# sources, timelines) goes with it.
 
 CASES = ["eager", "graph", "sparse", "fp16", "overlap-eager", "overlap-graph"]
 
@@ -282,10 +284,10 @@ def _assert_cases_passed(result, ranks: int, cases: list[str]) -> None:
 @needs_tf
 @pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[grpc])")
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_training_matches_one_process_on_the_global_batch_over_grpc(ranks: int) -> None:
+def test_training_matches_one_process_on_the_global_batch_over_grpc(ranks: int, tmp_path: Path) -> None:
     cases = CASES if ranks == 2 else ["eager", "graph", "sparse"]
     command = [sys.executable, "-m", "collectives.launch", "-n", str(ranks), TRAIN_CHECK, *cases, "mismatch"]
-    _assert_cases_passed(test_processes.run_job(command), ranks, [*cases, "mismatch"])
+    _assert_cases_passed(test_processes.run_job(command, {"TMPDIR": str(tmp_path)}), ranks, [*cases, "mismatch"])
 
 
 @needs_tf
@@ -294,7 +296,7 @@ def test_training_matches_one_process_on_the_global_batch_over_grpc(ranks: int) 
     reason="mpi4py / mpiexec not installed (.[mpi])",
 )
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_training_matches_one_process_on_the_global_batch_over_mpi(ranks: int) -> None:
+def test_training_matches_one_process_on_the_global_batch_over_mpi(ranks: int, tmp_path: Path) -> None:
     cases = CASES if ranks == 2 else ["eager", "graph", "fp16"]
     command = [test_processes.MPIEXEC, "-n", str(ranks), sys.executable, TRAIN_CHECK, *cases, "mismatch"]
-    _assert_cases_passed(test_processes.run_job(command), ranks, [*cases, "mismatch"])
+    _assert_cases_passed(test_processes.run_job(command, {"TMPDIR": str(tmp_path)}), ranks, [*cases, "mismatch"])
