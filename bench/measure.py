@@ -2,8 +2,10 @@
 
 Each iteration starts right after a barrier and its time is the slowest rank's (a collective is
 only done when every rank is); the reported time is the median over iterations. Algorithms and
-placements are interleaved round by round at each size, so a burst of machine noise hits all of
-them alike. Every placement is timed twice, like nccl-tests:
+placements are interleaved iteration by iteration at each size (one call of each, then the next
+iteration), so a burst of machine noise or a drift in load hits all of them alike: on a shared
+machine, timing one algorithm's iterations in a block and then the next one's made two runs of
+the same algorithm differ by 15-20% at small sizes. Every placement is timed twice, like nccl-tests:
 
 - out-of-place: separate input and output buffers;
 - in-place: the output is the input buffer (`out=x`; for reduce_scatter and allgather the rank's
@@ -94,7 +96,6 @@ class SweepSpec:
     root: int = 0
     warmup: int = 2
     iterations: int = 9
-    rounds: int = 3
     placements: tuple[str, ...] = PLACEMENTS
 
 
@@ -153,12 +154,11 @@ def measure(
 ) -> list[Measurement]:
     """Time `spec` on every rank (same arguments everywhere); returns the same rows on every rank.
 
-    Each (algorithm, placement) runs `warmup` untimed iterations, then `rounds` rounds of
-    `iterations // rounds` (at least one) timed iterations, interleaved with the others.
-    `progress` is called after each round of each cell (`progress_steps` times), with a label.
+    Each (algorithm, placement) runs `warmup` untimed iterations, then `iterations` timed ones,
+    each iteration timing every cell once. `progress` is called after each iteration
+    (`progress_steps` times), with a label.
     """
     np_dtype = np.dtype(spec.dtype)
-    per_round = max(1, spec.iterations // spec.rounds)
     cells = [(a, p) for a in spec.algorithms for p in spec.placements]
     rows = []
     for nbytes in spec.sizes:
@@ -172,24 +172,20 @@ def measure(
             for _ in range(spec.warmup):
                 buffers.refill(placement)
                 buffers.run(algorithm, placement)
-        for _ in range(spec.rounds):
+        for iteration in range(spec.iterations):
             for algorithm, placement in cells:
-                for _ in range(per_round):
-                    buffers.refill(placement)
-                    comm.barrier()
-                    start = time.perf_counter()
-                    result = buffers.run(algorithm, placement)
-                    times[algorithm, placement].append(time.perf_counter() - start)
-                    wrong[algorithm, placement] += buffers.wrong(result)
-                if progress is not None:
-                    progress(f"{nbytes} B {algorithm} {placement}")
-            for _ in range(per_round):
+                buffers.refill(placement)
                 comm.barrier()
                 start = time.perf_counter()
-                np.copyto(buffers.dst[: buffers.src.size], buffers.src[: buffers.dst.size])
-                times[COPY_BOUND, OUT_OF_PLACE].append(time.perf_counter() - start)
+                result = buffers.run(algorithm, placement)
+                times[algorithm, placement].append(time.perf_counter() - start)
+                wrong[algorithm, placement] += buffers.wrong(result)
+            comm.barrier()
+            start = time.perf_counter()
+            np.copyto(buffers.dst[: buffers.src.size], buffers.src[: buffers.dst.size])
+            times[COPY_BOUND, OUT_OF_PLACE].append(time.perf_counter() - start)
             if progress is not None:
-                progress(f"{nbytes} B {COPY_BOUND}")
+                progress(f"{nbytes} B, iteration {iteration + 1}/{spec.iterations}")
         for (algorithm, placement), samples in times.items():
             slowest = comm.allreduce(np.array(samples), op="max")
             total_wrong = int(comm.allreduce(np.array([wrong[algorithm, placement]], dtype=np.int64))[0])
@@ -213,7 +209,7 @@ def measure(
 
 def progress_steps(spec: SweepSpec) -> int:
     """How many times `measure` calls its `progress` callback."""
-    return len(spec.sizes) * spec.rounds * (len(spec.algorithms) * len(spec.placements) + 1)
+    return len(spec.sizes) * spec.iterations
 
 
 @dataclass(frozen=True)

@@ -65,16 +65,21 @@ def format_table(result: SweepResult) -> str:
 
 
 def format_explained(result: SweepResult) -> str:
-    """Measured out-of-place time beside the model's (tuned, if tuned) prediction; `*` marks auto's pick."""
-    lines = [f"{'size':>12} {'algorithm':>18} {'measured(us)':>13} {'model(us)':>11} {'auto':>18} {'#wrong':>7}"]
-    for row in result.rows:
-        if row.placement != OUT_OF_PLACE or row.algorithm == COPY_BOUND:
-            continue
+    """Measured out-of-place time beside the model's (tuned, if tuned) prediction; `*` marks auto's
+    pick, and auto's row says how far it is from the fastest algorithm measured at that size."""
+    rows = [r for r in result.rows if r.placement == OUT_OF_PLACE and r.algorithm != COPY_BOUND]
+    lines = [f"{'size':>12} {'algorithm':>18} {'measured(us)':>13} {'model(us)':>11} {'auto':>18} {'#wrong':>7}  vs fastest"]
+    for row in rows:
         choice = result.choices.get(row.nbytes, "")
         predicted = result.predicted.get(row.nbytes, {}).get(row.algorithm)
         model = f"{predicted * 1e6:>11.1f}" if predicted is not None else f"{'-':>11}"
         mark = choice if row.algorithm == "auto" else ("*" if row.algorithm == choice else "")
-        lines.append(f"{row.nbytes:>12} {row.algorithm:>18} {row.seconds * 1e6:>13.1f} {model} {mark:>18} {row.wrong:>7}")
+        line = f"{row.nbytes:>12} {row.algorithm:>18} {row.seconds * 1e6:>13.1f} {model} {mark:>18} {row.wrong:>7}"
+        others = [r for r in rows if r.nbytes == row.nbytes and r.algorithm != "auto"]
+        if row.algorithm == "auto" and others:
+            fastest = min(others, key=lambda r: r.seconds)
+            line += f"  {row.seconds / fastest.seconds - 1:+.1%} ({fastest.algorithm})"
+        lines.append(line)
     return "\n".join(lines)
 
 

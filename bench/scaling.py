@@ -213,7 +213,7 @@ def measured_curve(rank_counts: Iterable[int], model: TrainingModel, ranks_per_n
     """
     sizes = tuple(sorted(set(model.buckets())))
     algorithms = SCALING_ALGORITHMS
-    spec = SweepSpec("allreduce", sizes, algorithms, warmup=1, iterations=iterations, rounds=1, placements=(OUT_OF_PLACE,))
+    spec = SweepSpec("allreduce", sizes, algorithms, warmup=1, iterations=iterations, placements=(OUT_OF_PLACE,))
     points = []
     for ranks in rank_counts:
         result = on_threads(rank_sweep(spec, progress=False), ranks, ranks_per_node)

@@ -25,7 +25,7 @@ from collectives import Communicator
 from collectives.ops import ReduceOp
 
 QUICK = ["-b", "4K", "-e", "4K", "-w", "0", "-i", "1"]
-"""One size, no warm-up, one timed iteration per round: correctness, not timing."""
+"""One size, no warm-up, one timed iteration: correctness, not timing."""
 
 
 # -- options ----------------------------------------------------------------------------------------
@@ -127,9 +127,9 @@ def test_wrong_results_are_counted_per_algorithm_and_placement(monkeypatch, tmp_
 
     monkeypatch.setattr(Communicator, "allreduce", faulty)
     path = tmp_path / "rows.csv"
-    assert main([*QUICK, "-a", "ring,tree", "--csv", str(path)]) == 1
+    iterations = 3
+    assert main([*QUICK, "-i", str(iterations), "-a", "ring,tree", "--csv", str(path)]) == 1
     wrong = {(r.algorithm, r.placement): r.wrong for r in read_csv(str(path))}
-    iterations = 3  # one per round
     assert wrong[("tree", OUT_OF_PLACE)] == wrong[("tree", IN_PLACE)] == iterations
     assert wrong[("ring", OUT_OF_PLACE)] == wrong[("ring", IN_PLACE)] == 0
     assert "wrong elements" in capsys.readouterr().err
