@@ -386,7 +386,7 @@ class Communicator:
         cache_dir: str | os.PathLike | None = None,
         use_cache: bool = True,
     ) -> Tuning:
-        """Probe, then time the model's best candidates at `sizes` and correct the model with the
+        """Probe, then time every candidate at `sizes` and correct the model with the
         measured/predicted ratios (a collective; see `collectives.tuning`).
 
         The result is saved under `cache_dir` (default `$COLLECTIVES_TUNING_DIR` or

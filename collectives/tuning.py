@@ -2,9 +2,13 @@
 
 The cost model gets the shape of each algorithm's cost right but not everything a real backend
 adds (Python overhead per message, thread wake-ups, cache effects). So at a few sizes the pass
-times the model's top candidates for real and keeps measured / predicted for each (`Tuning`), which
-the selector multiplies its predictions by. Times are the slowest rank's, median of repeats, and
-pass through an all-reduce, so every rank keeps identical numbers.
+times every candidate for real and keeps measured / predicted for each (`Tuning`), which the
+selector multiplies its predictions by: at those sizes auto then picks what was measured fastest.
+Every candidate is timed, not only the model's favourites, because the model can be wrong by more
+than the gaps between its candidates (on one machine's threads it overrates the tree 2x). Calls
+are interleaved round by round across the candidates, so a burst of machine noise hits all of
+them alike. Times are the slowest rank's, median of the rounds, and pass through an all-reduce, so
+every rank keeps identical numbers.
 
 The probed link costs and the ratios are saved as JSON under a name made from the topology's
 fingerprint (backend, node layout, segment size, library version). Rank 0 reads the file and
@@ -32,10 +36,8 @@ if TYPE_CHECKING:
 TUNE_SIZES = (4 << 10, 1 << 20, 64 << 20)
 """One size per regime: latency-bound, in between, bandwidth-bound."""
 
-TOP_CANDIDATES = 3
-"""How many of the model's best candidates are timed at each size."""
-
-REPEATS = 5
+ROUNDS = 11
+"""Timed calls of each candidate at each size (after one untimed warm-up call)."""
 
 ENV_TUNING_DIR = "COLLECTIVES_TUNING_DIR"
 """Where tuning files live; default ~/.cache/collectives."""
@@ -49,26 +51,25 @@ def cache_file(directory: str | os.PathLike, fingerprint: str) -> Path:
     return Path(directory) / f"tuning-{fingerprint}.json"
 
 
-def measure(
-    comm: "Communicator", selector: Selector, sizes: Sequence[int], *, top: int = TOP_CANDIDATES, repeats: int = REPEATS
-) -> Tuning:
-    """Time the `top` predicted-best candidates at each size on `comm` (a collective)."""
+def measure(comm: "Communicator", selector: Selector, sizes: Sequence[int], *, rounds: int = ROUNDS) -> Tuning:
+    """Time every candidate at each size on `comm` (a collective), interleaved round by round."""
     clock = comm.clock
     ratios: dict[str, list[float | None]] = {a: [None] * len(sizes) for a in selector.candidates}
     for index, nbytes in enumerate(sizes):
         predicted = selector.predictions(nbytes)
-        ranked = sorted(selector.candidates, key=predicted.__getitem__)[:top]
         src = np.ones(max(1, nbytes // 4), dtype=np.float32)
         out = np.empty_like(src)
-        for algorithm in ranked:
+        for algorithm in selector.candidates:
             comm.allreduce(src, algorithm=algorithm, out=out)  # warm up
-            times = []
-            for _ in range(repeats):
+        times: dict[str, list[float]] = {a: [] for a in selector.candidates}
+        for _ in range(rounds):
+            for algorithm in selector.candidates:
                 comm.barrier()
                 start = clock()
                 comm.allreduce(src, algorithm=algorithm, out=out)
-                times.append(clock() - start)
-            slowest = comm.allreduce(np.array(times), op="max")
+                times[algorithm].append(clock() - start)
+        for algorithm, samples in times.items():
+            slowest = comm.allreduce(np.array(samples), op="max")
             if predicted[algorithm] > 0:
                 ratios[algorithm][index] = float(np.median(slowest)) / predicted[algorithm]
     return Tuning(tuple(sizes), {a: tuple(r) for a, r in ratios.items() if any(x is not None for x in r)})
