@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Mapping
 
-from backends.base import ENV_RANKS_PER_NODE, Transport, emulated_host
+from backends.base import Transport, emulated_host
 
 from .communicator import DEFAULT_TIMEOUT, Communicator
 from .layout import DEFAULT_SEGMENT_BYTES

@@ -27,14 +27,9 @@ import threading
 import time
 from typing import IO, Mapping, Sequence
 
-from .bootstrap import (
-    ENV_ADDRESSES,
-    ENV_BACKEND,
-    ENV_RANK,
-    ENV_RANKS_PER_NODE,
-    ENV_SECRET,
-    ENV_WORLD_SIZE,
-)
+from backends.base import ENV_RANKS_PER_NODE
+
+from .bootstrap import ENV_ADDRESSES, ENV_BACKEND, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
 
 _LAST_LINES = 20
 _STOP_GRACE_SECONDS = 5.0
