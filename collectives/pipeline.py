@@ -54,7 +54,9 @@ class ReduceStream:
         self._fused = fuse and group.fuses_receive_reduce
         self._depth = min(PIPELINE_DEPTH, len(self._spans))
         longest = max((hi - lo for lo, hi in self._spans), default=0)
-        self._slots = None if self._fused else np.empty((self._depth, longest), dtype=target.dtype)
+        # From the transport, like any buffer it receives into: on the simulated backend's
+        # timing-only runs that costs no memory.
+        self._slots = None if self._fused else group.transport.empty(self._depth * longest, target.dtype).reshape(self._depth, longest)
         self._posted: deque[tuple[Pending, int, int, np.ndarray | None]] = deque()
         self._next_to_post = 0
         self._slot_in_use = False

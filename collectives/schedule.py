@@ -45,14 +45,13 @@ def run_steps(group: Group, steps: Steps) -> None:
 class _Machine:
     """One stage running on one block, and what it waits on (None while it can go on)."""
 
-    __slots__ = ("block", "steps", "pending", "since")
+    __slots__ = ("stage", "block", "steps", "pending")
 
-    def __init__(self, block: int, steps: Steps) -> None:
+    def __init__(self, stage: int, block: int, steps: Steps) -> None:
+        self.stage = stage
         self.block = block
         self.steps = steps
         self.pending: Pending | None = None
-        self.since = 0
-        """When it started waiting, in the scheduler's count of waits: the oldest is named on a timeout."""
 
 
 def drive(group: Group, waits: Waits) -> None:
@@ -86,6 +85,11 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
     the operations they wait on, oldest first in what it yields, so a timeout names the operation
     waited on longest. The operations carry their own peers and tags, so any group of the
     collective (they share deadline and agreement) can wait for them.
+
+    Only a finished block can let other machines start, so after a completion the scheduler
+    advances just the machine that waited for it, and looks for machines to start only when that
+    machine finished its block: this runs once per message of the collective, and the simulated
+    backend pays it for every rank.
     """
     count = len(stages)
     windows = [1] * count if windows is None else list(windows)
@@ -95,8 +99,25 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
     started = [0] * count
     running: list[list[_Machine]] = [[] for _ in range(count)]
     """Per stage, its machines in block order."""
-    clock = 0
-    while True:
+    outstanding: list[_Machine] = []
+    """The machines waiting, in the order they started waiting."""
+
+    def advance(machine: _Machine) -> bool:
+        """Run `machine` to its next wait (queued in `outstanding`); True if it finished instead."""
+        try:
+            machine.pending = next(machine.steps)
+        except StopIteration:
+            stage = machine.stage
+            running[stage].remove(machine)
+            done[stage][machine.block] = True
+            while lowest[stage] < blocks and done[stage][lowest[stage]]:
+                lowest[stage] += 1
+            return True
+        outstanding.append(machine)
+        return False
+
+    def start_and_advance() -> None:
+        """Start every block that may start and advance every machine that can go on."""
         sweep = True
         while sweep:  # again after a machine finished a block: the next stage may start it
             sweep = False
@@ -107,25 +128,20 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
                     progress = False
                     block = started[stage]
                     while block < blocks and block < lowest[stage] + windows[stage] and (stage == 0 or done[stage - 1][block]):
-                        machines.append(_Machine(block, stages[stage](block)))
+                        machines.append(_Machine(stage, block, stages[stage](block)))
                         block = started[stage] = block + 1
                     for machine in [machine for machine in machines if machine.pending is None]:
-                        try:
-                            machine.pending = next(machine.steps)
-                            machine.since = clock
-                            clock += 1
-                        except StopIteration:
-                            machines.remove(machine)
-                            done[stage][machine.block] = True
-                            while lowest[stage] < blocks and done[stage][lowest[stage]]:
-                                lowest[stage] += 1
+                        if advance(machine):
                             progress = sweep = True
-        outstanding = sorted((machine for machines in running for machine in machines), key=lambda machine: machine.since)
-        if not outstanding:
-            return
+
+    start_and_advance()
+    while outstanding:
         if len(outstanding) == 1:  # nothing to overlap: wait as a blocking algorithm would
-            yield outstanding[0].pending
-            outstanding[0].pending = None
+            machine = outstanding.pop()
+            yield machine.pending
         else:
             index = yield [machine.pending for machine in outstanding]
-            outstanding[index].pending = None
+            machine = outstanding.pop(index)
+        machine.pending = None
+        if advance(machine):
+            start_and_advance()
