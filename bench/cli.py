@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulated.add_argument("--inter", type=_link, default="10e-6,5", help="ALPHA_SECONDS,GB_PER_S (default 10e-6,5)")
     simulated.add_argument("--nic", type=float, default=10, help="GB/s through each node's NIC (default 10)")
     simulated.add_argument("--gamma", type=float, default=20, help="reduction GB/s (default 20)")
+    simulated.add_argument(
+        "--grid", action="store_true",
+        help="instead: the selector's validation grid (1x8 .. 16x8 clusters, inter-node links 10x and 100x "
+        "slower, 1 KiB .. 256 MiB), largest regret per cluster",
+    )
     emulated = parser.add_argument_group(
         "emulated nodes (bench.netns: Linux network namespaces, needs root; else runs the equivalent simulated cluster)"
     )

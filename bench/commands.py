@@ -34,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = netns.resolve_arguments(args)
         if args.backend == "simulated":
             return simulated_command(args)
+        if args.grid:
+            raise UsageError("--grid needs --backend simulated")
         return sweep_command(args, argv)
     except UsageError as error:
         print(f"python -m bench: error: {error}", file=sys.stderr)
@@ -84,19 +86,28 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def simulated_command(args: argparse.Namespace) -> int:
-    """The selector's regret table on the simulated cluster described by the options."""
+    """The selector's regret table on the simulated cluster described by the options, or with
+    `--grid` the largest regret on each cluster of the validation grid."""
     from backends.simulated import Cluster
+    from collectives.simulation import regret_grid
 
-    from .simulated import regret_table
+    from .simulated import GRID_SIZES, grid_summary, regret_table, run_grid
 
     if args.collective != "allreduce":
         raise UsageError("--backend simulated compares all-reduce algorithms only")
-    per_node = args.ranks_per_node[0] if args.ranks_per_node else 4
-    cluster = Cluster(args.nodes, per_node, args.intra, args.inter, nic_bandwidth=args.nic * 1e9, gamma=1 / (args.gamma * 1e9))
-    print(f"# all-reduce on a simulated cluster of {args.nodes} x {per_node} ranks (virtual time)")
-    table, worst = regret_table(cluster, size_range(args.minbytes, args.maxbytes, args.stepfactor))
-    print(table)
-    print(f"# max regret of auto: {worst * 100:.1f}%")
+    if args.grid:
+        print(
+            f"# the selector's validation grid: sizes {GRID_SIZES[0]} .. {GRID_SIZES[-1]} bytes (x4), every "
+            "candidate simulated (virtual time), auto from probed link costs"
+        )
+        cells = run_grid()
+    else:
+        per_node = args.ranks_per_node[0] if args.ranks_per_node else 4
+        cluster = Cluster(args.nodes, per_node, args.intra, args.inter, nic_bandwidth=args.nic * 1e9, gamma=1 / (args.gamma * 1e9))
+        print(f"# all-reduce on a simulated cluster of {args.nodes} x {per_node} ranks (virtual time)")
+        cells = regret_grid([cluster], size_range(args.minbytes, args.maxbytes, args.stepfactor))
+    print(grid_summary(cells) if args.grid else regret_table(cells))
+    print(f"# max regret of auto: {max(cell.regret for cell in cells) * 100:.1f}%")
     return 0
 
 

@@ -35,7 +35,7 @@ from backends.simulated import Cluster, Link
 from collectives.costmodel import predict
 from collectives.layout import DEFAULT_SEGMENT_BYTES
 from collectives.selector import Selector
-from collectives.simulation import simulate_allreduce
+from collectives.simulation import simulated_times
 from collectives.topology import LinkCost, LinkCosts, Topology
 
 from .measure import OUT_OF_PLACE, SweepSpec
@@ -162,15 +162,11 @@ class ScalingPoint:
     """For auto: the algorithm chosen for each bucket size."""
 
 
-def allreduce_time(kind: ClusterKind, ranks: int, algorithm: str, nbytes: int, *, simulated: bool) -> tuple[float, str]:
-    """(seconds, the algorithm actually run) for one all-reduce; auto resolves through the selector."""
-    cluster = kind.cluster(ranks)
-    topology = Topology(cluster.hosts)
-    if algorithm == "auto":
-        algorithm = Selector(topology, kind.link_costs(), DEFAULT_SEGMENT_BYTES).choose(nbytes)
-    if simulated:
-        return simulate_allreduce(cluster, algorithm, nbytes).time, algorithm
-    return predict(algorithm, nbytes, topology, kind.link_costs(), DEFAULT_SEGMENT_BYTES), algorithm
+def resolve(kind: ClusterKind, ranks: int, algorithm: str, nbytes: int) -> str:
+    """The algorithm that runs: auto resolved through the selector with the cluster's link costs."""
+    if algorithm != "auto":
+        return algorithm
+    return Selector(Topology(kind.cluster(ranks).hosts), kind.link_costs(), DEFAULT_SEGMENT_BYTES).choose(nbytes)
 
 
 def scaling_curve(
@@ -181,27 +177,30 @@ def scaling_curve(
     *,
     simulated: bool = False,
 ) -> list[ScalingPoint]:
-    """Efficiency at each rank count (those that fill whole nodes of `kind`)."""
-    points = []
-    for ranks in rank_counts:
-        if ranks % kind.ranks_per_node:
-            continue
-        times: dict[int, float] = {}
-        choices: list[str] = []
-        for size in sorted(set(model.buckets())):
-            times[size], chosen = allreduce_time(kind, ranks, algorithm, size, simulated=simulated)
-            choices.append(chosen)
-        points.append(
-            ScalingPoint(
-                cluster=kind.name,
-                algorithm=algorithm,
-                ranks=ranks,
-                efficiency=model.efficiency(times.__getitem__),
-                source="simulated" if simulated else "model",
-                choices=tuple(choices) if algorithm == "auto" else (),
-            )
+    """Efficiency at each rank count (those that fill whole nodes of `kind`), from the model or
+    from the simulated backend (its runs spread over this machine's CPUs)."""
+    sizes = sorted(set(model.buckets()))
+    counts = [ranks for ranks in rank_counts if ranks % kind.ranks_per_node == 0]
+    runs = {(ranks, size): (kind.cluster(ranks), resolve(kind, ranks, algorithm, size), size) for ranks in counts for size in sizes}
+    if simulated:
+        simulated_seconds = simulated_times(runs.values())
+        seconds = {key: simulated_seconds[run] for key, run in runs.items()}
+    else:
+        seconds = {
+            key: predict(chosen, size, Topology(cluster.hosts), kind.link_costs(), DEFAULT_SEGMENT_BYTES)
+            for key, (cluster, chosen, size) in runs.items()
+        }
+    return [
+        ScalingPoint(
+            cluster=kind.name,
+            algorithm=algorithm,
+            ranks=ranks,
+            efficiency=model.efficiency(lambda size: seconds[ranks, size]),
+            source="simulated" if simulated else "model",
+            choices=tuple(runs[ranks, size][1] for size in sizes) if algorithm == "auto" else (),
         )
-    return points
+        for ranks in counts
+    ]
 
 
 def measured_curve(rank_counts: Iterable[int], model: TrainingModel, ranks_per_node: int = 2, iterations: int = 3) -> list[ScalingPoint]:

@@ -8,23 +8,34 @@ nothing. The time of a run is when the last rank finishes; all ranks start at ti
 The algorithm runs as its step machine (`allreduce.allreduce_steps`) under `simulate_steps`, every
 rank in one thread: the same code and the same virtual times as running `run_allreduce` on a thread
 per rank under `simulate`, several times faster in real time (see `backends.simulated`).
+
+`regret_grid` puts the selector to the test: on each cluster it probes the links, lets the selector
+choose per size, and simulates every candidate at every size. The simulations are independent and
+CPU-bound, so it spreads them over processes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from backends.simulated import Cluster, RankSteps, SimulatedTransport, SimulationResult, simulate, simulate_steps
 
 from .allreduce import allreduce_steps
+from .costmodel import candidates
 from .group import SUBTAGS_PER_COLLECTIVE, Group, Pending
 from .layout import DEFAULT_SEGMENT_BYTES
 from .ops import ReduceOp
+from .probe import probe_links
 from .schedule import Waits, drive
-from .topology import Topology
+from .selector import Selector
+from .topology import LinkCosts, Topology
 
 
 def simulate_allreduce(
@@ -93,3 +104,114 @@ def rank_steps(waits: Waits) -> RankSteps[None]:
             value, error = None, failure
         else:
             value, error = (None if single else index), None
+
+
+def probe_cluster(cluster: Cluster) -> LinkCosts:
+    """The link costs `comm.probe()` would measure on `cluster` (identical on every rank: rank 0's)."""
+    topology = Topology(cluster.hosts)
+
+    def body(transport: SimulatedTransport) -> LinkCosts:
+        group = Group(transport, tuple(range(transport.size)), SUBTAGS_PER_COLLECTIVE, b"probe", math.inf, math.inf)
+        return probe_links(group, topology)
+
+    return simulate(body, cluster).results[0]
+
+
+@dataclass(frozen=True)
+class RegretCell:
+    """One (cluster, size) of a `regret_grid`: what auto chose, and every candidate's simulated time."""
+
+    cluster: Cluster
+    nbytes: int
+    choice: str
+    simulated: Mapping[str, float]
+    """Virtual seconds of every candidate."""
+    predicted: Mapping[str, float]
+    """The model's seconds of every candidate, from the probed link costs."""
+    costs: LinkCosts
+
+    @property
+    def best(self) -> str:
+        return min(self.simulated, key=self.simulated.__getitem__)
+
+    @property
+    def regret(self) -> float:
+        """How much slower auto's choice is than the fastest candidate (0.05: 5%)."""
+        return self.simulated[self.choice] / self.simulated[self.best] - 1
+
+
+def simulated_times(
+    jobs: Iterable[tuple[Cluster, str, int]],
+    *,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    workers: int | None = None,
+) -> dict[tuple[Cluster, str, int], float]:
+    """The virtual time of a timing-only all-reduce for each (cluster, algorithm, bytes) job.
+
+    The jobs are independent and CPU-bound, so `workers` processes share them (default: one per
+    CPU this process may use; 1 runs them here), the biggest first, so that no worker is left with
+    a long one at the end. Results do not depend on `workers`: each simulation is deterministic.
+    Workers are spawned, not forked (the caller may have threads), so a script that calls this at
+    import time needs multiprocessing's `if __name__ == "__main__":` guard.
+    """
+    ordered = _biggest_first(jobs)
+    return dict(zip(ordered, _run_all([(_simulated_time, (*job, segment_bytes)) for job in ordered], workers)))
+
+
+def regret_grid(
+    clusters: Sequence[Cluster],
+    sizes: Sequence[int],
+    *,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    workers: int | None = None,
+) -> list[RegretCell]:
+    """For every cluster and size: the selector's choice from probed link costs, and the simulated
+    time of every candidate (timing-only), cluster by cluster, size by size.
+
+    Probes and simulations share `workers` processes, as in `simulated_times`.
+    """
+    jobs = _biggest_first((c, a, n) for c in clusters for a in candidates(Topology(c.hosts)) for n in sizes)
+    calls: list[tuple[Callable[..., Any], tuple]] = [(probe_cluster, (c,)) for c in clusters]
+    calls += [(_simulated_time, (*job, segment_bytes)) for job in jobs]
+    results = _run_all(calls, workers)
+    costs, times = results[: len(clusters)], dict(zip(jobs, results[len(clusters) :]))
+    cells = []
+    for cluster, found in zip(clusters, costs):
+        selector = Selector(Topology(cluster.hosts), found, segment_bytes)
+        for nbytes in sizes:
+            cells.append(
+                RegretCell(
+                    cluster,
+                    nbytes,
+                    selector.choose(nbytes),
+                    {a: times[cluster, a, nbytes] for a in selector.candidates},
+                    selector.predictions(nbytes),
+                    found,
+                )
+            )
+    return cells
+
+
+def _simulated_time(cluster: Cluster, algorithm: str, nbytes: int, segment_bytes: int) -> float:
+    return simulate_allreduce(cluster, algorithm, nbytes, segment_bytes=segment_bytes).time
+
+
+def _biggest_first(jobs: Iterable[tuple[Cluster, str, int]]) -> list[tuple[Cluster, str, int]]:
+    """Distinct jobs, those with the most messages (roughly: ranks x segments) first."""
+    return sorted(set(jobs), key=lambda job: job[0].size * max(job[2], 1 << 20), reverse=True)
+
+
+def _run_all(calls: Sequence[tuple[Callable[..., Any], tuple]], workers: int | None) -> list[Any]:
+    """fn(*args) of every call, in order, over `workers` spawned processes (None: one per usable CPU)."""
+    workers = min(workers or _usable_cpus(), len(calls))
+    if workers <= 1:
+        return [fn(*args) for fn, args in calls]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(fn, *args) for fn, args in calls]
+        return [future.result() for future in futures]
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -178,6 +178,21 @@ def test_plot_files_are_pngs(tmp_path) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_simulated_backend_prints_each_algorithm_beside_the_model_and_the_regret(capsys) -> None:
+    assert main(["--backend", "simulated", "--nodes", "2", "--ranks-per-node", "2", "-b", "1K", "-e", "64K", "-f", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated cluster of 2 x 2 ranks" in out and "# probed: intra 1.00 us 50.00 GB/s" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1024"], ["65536"])]
+    assert [row[1] for row in rows[:5]] == ["ring", "tree", "hierarchical", "hierarchical_tree", "regret"]
+    assert sum(row.count("*") for row in rows) == 4  # auto's pick and the fastest, at each size
+    assert "# max regret of auto: 0.0%" in out
+
+
+def test_grid_needs_the_simulated_backend(capsys) -> None:
+    assert main(["--grid"]) == 2
+    assert "--grid needs --backend simulated" in capsys.readouterr().err
+
+
 # -- the scaling model ------------------------------------------------------------------------------
 
 

@@ -9,69 +9,64 @@ import pytest
 
 import collectives
 import collectives.tuning
-from backends.simulated import Cluster, Link, SimulatedTransport, simulate
+from backends.simulated import SimulatedTransport, simulate
+from bench.simulated import GRID_GAMMA, GRID_SHAPES, GRID_SIZES, grid_cluster, grid_clusters, grid_summary, run_grid
 from collectives.group import Group
 from collectives.probe import probe_links
-from collectives.selector import Selector, Tuning
-from collectives.simulation import simulate_allreduce
-from collectives.topology import Topology
-
-INTRA = Link(alpha=1e-6, bandwidth=50e9)
-GAMMA = 1 / 20e9
-SHAPES = [(1, 8), (2, 4), (4, 4), (8, 8), (16, 8)]
-RATIOS = [10, 100]
-SIZES = [1 << e for e in range(10, 29, 2)]  # 1 KiB .. 256 MiB
-
-
-def grid_cluster(nodes: int, per_node: int, ratio: int) -> Cluster:
-    """Inter-node links `ratio` times slower than intra-node ones (latency and bandwidth); each
-    node's NIC carries two inter-node links' worth."""
-    inter = Link(INTRA.alpha * ratio, INTRA.bandwidth / ratio)
-    return Cluster(nodes, per_node, INTRA, inter, nic_bandwidth=2 * inter.bandwidth, gamma=GAMMA)
-
-
-def probed(shape: Cluster) -> list:
-    """Run the probes on every simulated rank; their LinkCosts, one per rank."""
-    topology = Topology(shape.hosts)
-
-    def body(t: SimulatedTransport):
-        group = Group(t, tuple(range(t.size)), 64, b"probe", math.inf, math.inf)
-        return probe_links(group, topology)
-
-    return list(simulate(body, shape).results)
+from collectives.selector import Tuning
+from collectives.simulation import RegretCell, regret_grid
 
 
 @pytest.mark.parametrize(("nodes", "per_node", "ratio"), [(2, 4, 10), (4, 4, 100), (1, 8, 10)])
 def test_probes_recover_the_simulated_links(nodes: int, per_node: int, ratio: int) -> None:
     """alpha and beta of each link class, and gamma, within 10%, and the same on every rank."""
     shape = grid_cluster(nodes, per_node, ratio)
-    costs = probed(shape)
+    topology = collectives.Topology(shape.hosts)
+
+    def body(t: SimulatedTransport):
+        return probe_links(Group(t, tuple(range(t.size)), 64, b"probe", math.inf, math.inf), topology)
+
+    costs = simulate(body, shape).results
     assert all(c == costs[0] for c in costs)
     found = costs[0]
     links = [(found.intra, shape.intra)] + ([(found.inter, shape.inter)] if nodes > 1 else [])
     for measured, truth in links:
         assert measured.alpha == pytest.approx(truth.alpha, rel=0.1)
         assert 1 / measured.beta == pytest.approx(truth.bandwidth, rel=0.1)
-    assert found.gamma == pytest.approx(GAMMA, rel=0.1) and found.measured
+    assert found.gamma == pytest.approx(GRID_GAMMA, rel=0.1) and found.measured
 
 
-@pytest.mark.parametrize(("nodes", "per_node"), SHAPES, ids=[f"{n}x{l}" for n, l in SHAPES])
-def test_auto_is_within_5_percent_of_the_best_algorithm(nodes: int, per_node: int) -> None:
+@pytest.fixture(scope="module")
+def grid() -> list[RegretCell]:
+    """The whole validation grid, computed once (its simulations spread over the CPUs)."""
+    return run_grid()
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), GRID_SHAPES, ids=[f"{n}x{l}" for n, l in GRID_SHAPES])
+def test_auto_is_within_5_percent_of_the_best_algorithm(grid: list[RegretCell], nodes: int, per_node: int) -> None:
     """On every size of the grid and both link ratios, the algorithm the selector picks from the
     probed link costs is simulated within 5% of the fastest candidate (the oracle), and it is one
     of the candidates, all of which completed (none fails for that size or topology)."""
-    worst = []
-    for ratio in RATIOS if nodes > 1 else RATIOS[:1]:  # one node: the inter links are unused
-        shape = grid_cluster(nodes, per_node, ratio)
-        topology = Topology(shape.hosts)
-        selector = Selector(topology, probed(shape)[0], collectives.layout.DEFAULT_SEGMENT_BYTES)
-        for nbytes in SIZES:
-            times = {a: simulate_allreduce(shape, a, nbytes).time for a in selector.candidates}
-            choice = selector.choose(nbytes)
-            assert choice in times and choice != "reference"
-            regret = times[choice] / min(times.values()) - 1
-            worst.append((regret, ratio, nbytes, choice, min(times, key=times.get)))
-    assert max(worst)[0] <= 0.05, f"worst (regret, ratio, bytes, chosen, best): {max(worst)}"
+    clusters = {cluster for _, cluster in grid_clusters() if (cluster.nodes, cluster.ranks_per_node) == (nodes, per_node)}
+    cells = [cell for cell in grid if cell.cluster in clusters]
+    assert len(cells) == len(GRID_SIZES) * len(clusters)
+    for cell in cells:
+        assert cell.choice in cell.simulated and cell.choice != "reference"
+        assert all(seconds > 0 for seconds in cell.simulated.values())
+    worst = max(cells, key=lambda cell: cell.regret)
+    assert worst.regret <= 0.05, f"auto picked {worst.choice} at {worst.nbytes} B on {worst.cluster}: {dict(worst.simulated)}"
+
+
+def test_grid_summary_names_every_cluster_and_its_largest_regret(grid: list[RegretCell]) -> None:
+    lines = grid_summary(grid).splitlines()[1:]
+    assert len(lines) == len(grid_clusters())
+    assert lines[0].split()[:2] == ["1x8", "-"] and lines[-1].split()[:2] == ["16x8", "100x"]
+    assert all(line.split()[2] == "0.0%" for line in lines) and "hierarchical x" in lines[-1]
+
+
+def test_regret_grid_does_not_depend_on_the_number_of_workers() -> None:
+    clusters, sizes = [grid_cluster(2, 2, 10), grid_cluster(1, 3, 10)], [1024, 1 << 20]
+    assert regret_grid(clusters, sizes, workers=1) == regret_grid(clusters, sizes, workers=2)
 
 
 def test_probe_on_threads_is_shared_and_used() -> None:
