@@ -87,9 +87,10 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
     collective (they share deadline and agreement) can wait for them.
 
     Only a finished block can let other machines start, so after a completion the scheduler
-    advances just the machine that waited for it, and looks for machines to start only when that
-    machine finished its block: this runs once per message of the collective, and the simulated
-    backend pays it for every rank.
+    advances just the machine that waited for it, and sweeps the stages for machines to start only
+    when that machine finished its block, from its stage down, as a sweep over every stage would
+    have reached it: the same order at a fraction of the cost, which matters because this runs
+    once per message of the collective, and the simulated backend pays it for every rank.
     """
     count = len(stages)
     windows = [1] * count if windows is None else list(windows)
@@ -116,12 +117,13 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
         outstanding.append(machine)
         return False
 
-    def start_and_advance() -> None:
-        """Start every block that may start and advance every machine that can go on."""
+    def start_and_advance(top: int) -> None:
+        """Start every block that may start and advance every machine that can go on, stages
+        `top` and below first, then all of them again until nothing changes."""
         sweep = True
         while sweep:  # again after a machine finished a block: the next stage may start it
-            sweep = False
-            for stage in reversed(range(count)):
+            sweep = top < count - 1  # what stages `top` and below finished may start later ones
+            for stage in reversed(range(top + 1)):
                 machines = running[stage]
                 progress = True
                 while progress:  # again after a block finished: this stage may start one more
@@ -133,8 +135,9 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
                     for machine in [machine for machine in machines if machine.pending is None]:
                         if advance(machine):
                             progress = sweep = True
+            top = count - 1
 
-    start_and_advance()
+    start_and_advance(count - 1)
     while outstanding:
         if len(outstanding) == 1:  # nothing to overlap: wait as a blocking algorithm would
             machine = outstanding.pop()
@@ -143,5 +146,5 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
             index = yield [machine.pending for machine in outstanding]
             machine = outstanding.pop(index)
         machine.pending = None
-        if advance(machine):
-            start_and_advance()
+        if advance(machine):  # as a full sweep would have found it, at its stage's turn
+            start_and_advance(machine.stage)

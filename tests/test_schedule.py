@@ -5,6 +5,7 @@ clock."""
 from __future__ import annotations
 
 import math
+import random
 import threading
 import time
 from typing import Any, Callable
@@ -15,8 +16,8 @@ import pytest
 from backends.errors import CollectiveTimeoutError, MismatchError
 from backends.simulated import Cluster, Link, SimulatedTransport, simulate
 from backends.threads import ThreadFabric
-from collectives.group import Group
-from collectives.schedule import Steps, run_pipeline, run_steps
+from collectives.group import Group, Pending
+from collectives.schedule import Stage, Steps, Waits, pipeline_steps, run_pipeline, run_steps
 
 TAG = 64
 
@@ -113,6 +114,88 @@ def test_pipeline_window_runs_blocks_of_one_stage_at_once() -> None:
                 if b >= window:
                     assert position["end", k, b - window] < position["start", k, b]
         assert position["start", 1, 1] < position["end", 1, 0], "the window did not overlap blocks"
+
+
+def full_sweep_pipeline(stages: list[Stage], blocks: int, windows: list[int]) -> Waits:
+    """`pipeline_steps`' specification, written plainly: after every completion, sweep all stages
+    (later first, older blocks first), start what may start and advance what can go on, until
+    nothing changes; then wait for the first completion among the waits, oldest first."""
+    count = len(stages)
+    done = [[False] * blocks for _ in range(count)]
+    lowest, started = [0] * count, [0] * count
+    running: list[list[list]] = [[] for _ in range(count)]  # [block, steps, pending, since]
+    clock = 0
+    while True:
+        changed = True
+        while changed:
+            changed = False
+            for stage in reversed(range(count)):
+                again = True
+                while again:
+                    again = False
+                    while started[stage] < blocks and started[stage] < lowest[stage] + windows[stage] and (
+                        stage == 0 or done[stage - 1][started[stage]]
+                    ):
+                        running[stage].append([started[stage], stages[stage](started[stage]), None, 0])
+                        started[stage] += 1
+                    for machine in [m for m in running[stage] if m[2] is None]:
+                        try:
+                            machine[2], machine[3], clock = next(machine[1]), clock, clock + 1
+                        except StopIteration:
+                            running[stage].remove(machine)
+                            done[stage][machine[0]] = True
+                            while lowest[stage] < blocks and done[stage][lowest[stage]]:
+                                lowest[stage] += 1
+                            again = changed = True
+        waiting = sorted((m for machines in running for m in machines), key=lambda m: m[3])
+        if not waiting:
+            return
+        if len(waiting) == 1:
+            yield waiting[0][2]
+            waiting[0][2] = None
+        else:
+            index = yield [m[2] for m in waiting]
+            waiting[index][2] = None
+
+
+def test_pipeline_scheduler_keeps_the_order_of_a_full_sweep() -> None:
+    """The scheduler only revisits what a completion can have changed; on random pipelines (stages,
+    windows, blocks, steps per machine) and random completion orders it starts, advances and waits
+    exactly as sweeping every stage after every completion does."""
+    for seed in range(300):
+        rng = random.Random(seed)
+        count = rng.randint(1, 4)
+        windows, steps = [rng.randint(1, 3) for _ in range(count)], [rng.randint(0, 3) for _ in range(count)]
+        blocks = rng.randint(1, 6)
+        traces = []
+        for scheduler in (pipeline_steps, full_sweep_pipeline):
+            log: list = []
+
+            def stage(k: int) -> Stage:
+                def machine(block: int) -> Steps:
+                    log.append(("start", k, block))
+                    for step in range(steps[k]):
+                        yield Pending(None, "step", k, block * 10 + step)  # type: ignore[arg-type]
+                    log.append(("end", k, block))
+
+                return machine
+
+            choices = random.Random(seed)
+            waits = scheduler([stage(k) for k in range(count)], blocks, windows)
+            item = next(waits, None)
+            while item is not None:
+                if isinstance(item, Pending):
+                    log.append(("wait", item.peer, item.tag))
+                    item = next(waits, None)
+                else:
+                    index = choices.randrange(len(item))
+                    log.append(("first of", tuple((p.peer, p.tag) for p in item), index))
+                    try:
+                        item = waits.send(index)
+                    except StopIteration:
+                        item = None
+            traces.append(log)
+        assert traces[0] == traces[1], f"seed {seed}: {count} stages, windows {windows}, {blocks} blocks, steps {steps}"
 
 
 def test_threads_wait_any_wakes_at_a_later_request() -> None:
