@@ -58,22 +58,30 @@ def regret_table(cells: Sequence[RegretCell]) -> str:
 
 
 def grid_summary(cells: Sequence[RegretCell]) -> str:
-    """The largest regret over the sizes for each cluster of the grid, with what auto picked."""
-    lines = [f"{'cluster':>8} {'inter slower':>12} {'max regret':>11}  auto's picks, smallest size first"]
+    """For each cluster of the grid: the largest regret over the sizes, the closest call (how much
+    slower the runner-up was than the fastest, at the size where that was least) and what auto
+    picked."""
+    lines = [f"{'cluster':>8} {'inter slower':>12} {'max regret':>11} {'closest call':>13}  auto's picks, smallest size first"]
     for ratio, cluster in grid_clusters():
         mine = [c for c in cells if c.cluster == cluster]
-        picks = []
+        picks: list[list] = []
         for cell in mine:  # runs of one choice: "tree x3, hierarchical x7"
             if picks and picks[-1][0] == cell.choice:
                 picks[-1][1] += 1
             else:
                 picks.append([cell.choice, 1])
+        closest = min(_runner_up_gap(cell) for cell in mine)
         lines.append(
             f"{cluster.nodes:>4}x{cluster.ranks_per_node:<3} {f'{ratio}x' if cluster.nodes > 1 else '-':>12} "
-            f"{max(c.regret for c in mine) * 100:>10.1f}%  "
+            f"{max(c.regret for c in mine) * 100:>10.1f}% {closest * 100:>12.1f}%  "
             + ", ".join(f"{choice} x{count}" for choice, count in picks)
         )
     return "\n".join(lines)
+
+
+def _runner_up_gap(cell: RegretCell) -> float:
+    fastest, runner_up = sorted(cell.simulated.values())[:2]
+    return runner_up / fastest - 1
 
 
 def run_grid(workers: int | None = None) -> list[RegretCell]:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -202,13 +204,27 @@ def _biggest_first(jobs: Iterable[tuple[Cluster, str, int]]) -> list[tuple[Clust
 
 
 def _run_all(calls: Sequence[tuple[Callable[..., Any], tuple]], workers: int | None) -> list[Any]:
-    """fn(*args) of every call, in order, over `workers` spawned processes (None: one per usable CPU)."""
-    workers = min(workers or _usable_cpus(), len(calls))
+    """fn(*args) of every call, in order, over `workers` spawned processes (None: one per usable
+    CPU, or 1 where a spawned process could not re-import the main program, e.g. read from stdin)."""
+    workers = min(workers or (_usable_cpus() if _main_is_importable() else 1), len(calls))
     if workers <= 1:
         return [fn(*args) for fn, args in calls]
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(fn, *args) for fn, args in calls]
-        return [future.result() for future in futures]
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(fn, *args) for fn, args in calls]
+            return [future.result() for future in futures]
+    except BrokenProcessPool as error:
+        raise RuntimeError(
+            "the simulation worker processes died before finishing; a spawned worker re-imports the "
+            "main program, so a script must call this under `if __name__ == \"__main__\":` (or pass workers=1)"
+        ) from error
+
+
+def _main_is_importable() -> bool:
+    """Whether a spawned process can import this program's main module (not code from stdin or -c)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return path is None or getattr(main, "__spec__", None) is not None or os.path.isfile(path)
 
 
 def _usable_cpus() -> int:
