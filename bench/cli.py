@@ -155,8 +155,8 @@ def build_scaling_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-mib", type=float, default=25, help="gradient bucket size in MiB (default 25)")
     parser.add_argument(
         "--simulate-up-to", type=int, default=256,
-        help="also run the simulated backend up to this many ranks (default 256, about a minute; "
-        "1024 takes several minutes; 0: model only)",
+        help="also run the simulated backend up to this many ranks (default 256, seconds on two "
+        "cores; 1024 takes about 3 minutes; 0: model only)",
     )
     parser.add_argument(
         "--measured", type=_int_list, default=None, metavar="RANKS",
