@@ -69,6 +69,24 @@ def test_reduce_scatter(world_size: int, dtype: Any, op: str) -> None:
             assert_reduced(block, [x[mine] for x in inputs], op)
 
 
+def test_reduce_scatter_work_space_is_reused_safely() -> None:
+    """The work space kept between calls: large then small, dtypes of every width mixed, every
+    block still right after the later calls, none a view of the work space."""
+    world_size, shape_tail = 3, (4,)
+    calls = [(np.float64, 900), (np.float16, 7), (np.int32, 300), (np.float32, 0), (np.int64, 901), (np.float16, 50)]
+
+    def body(comm: collectives.Communicator) -> list[np.ndarray]:
+        blocks = [comm.reduce_scatter(make_input(comm.rank, (rows, *shape_tail), dtype), op="sum") for dtype, rows in calls]
+        assert not any(np.shares_memory(a, b) for i, a in enumerate(blocks) for b in blocks[i + 1 :])
+        return blocks
+
+    per_rank = collectives.run_threads(body, world_size, segment_bytes=256)
+    for index, (dtype, rows) in enumerate(calls):
+        inputs = [make_input(r, (rows, *shape_tail), dtype) for r in range(world_size)]
+        for rank in range(world_size):
+            assert_reduced(per_rank[rank][index], [x[rows_of(rank, rows, world_size)] for x in inputs], "sum")
+
+
 @pytest.mark.parametrize("world_size", [2, 5])
 def test_reduce_scatter_blocks_concatenate_to_reduction(world_size: int) -> None:
     """The blocks of all ranks, concatenated in rank order, are the full reduction; a preallocated
