@@ -12,12 +12,12 @@ import numpy as np
 
 from .group import Group
 from .ops import ReduceOp, combine, finalize
-from .schedule import Steps, run_steps
+from .schedule import Steps, drive
 
 
 def reference_allreduce(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> None:
     """dst = op over all members of src, reduced on member 0 in rank order; `src` may be `dst`."""
-    run_steps(group, reference_allreduce_steps(group, src, dst, op))
+    drive(group, reference_allreduce_steps(group, src, dst, op))
 
 
 def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> Steps:

@@ -43,7 +43,7 @@ from .group import Group, Pending
 from .layout import DEFAULT_BLOCK_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds, segment_items, segments
 from .ops import ReduceOp, combine, finalize
 from .pipeline import ReduceStream
-from .schedule import Steps, run_steps
+from .schedule import Steps, drive
 
 
 def ring_reduce_scatter(
@@ -60,7 +60,7 @@ def ring_reduce_scatter(
     Other parts of `dst` are used as work space. `op` is applied without its final step (a `mean`
     is left as a sum): callers finalize. `src` may be `dst`.
     """
-    run_steps(group, ring_reduce_scatter_steps(group, src, dst, op, bounds, segment_bytes=segment_bytes))
+    drive(group, ring_reduce_scatter_steps(group, src, dst, op, bounds, segment_bytes=segment_bytes))
 
 
 def ring_reduce_scatter_steps(
@@ -108,7 +108,7 @@ def ring_allgather(
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> None:
     """Given chunk r of `buf` on member r, fill in every other chunk from the other members."""
-    run_steps(group, ring_allgather_steps(group, buf, bounds, segment_bytes=segment_bytes))
+    drive(group, ring_allgather_steps(group, buf, bounds, segment_bytes=segment_bytes))
 
 
 def ring_allgather_steps(
@@ -154,7 +154,7 @@ def ring_allreduce(
     every step into tiny, latency-bound messages (4 MiB over 128 ranks is 32 KiB per step).
     """
     steps = ring_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes, block_bytes=block_bytes)
-    run_steps(group, steps)
+    drive(group, steps)
 
 
 def ring_allreduce_steps(

@@ -2,7 +2,7 @@
 
 An algorithm written as a step machine is a generator that posts non-blocking sends and receives
 and yields each `Pending` it must see completed before it can go on (a receive it reduces, the
-sends that must leave a buffer before it is overwritten). Run alone (`run_steps`) it is the plain
+sends that must leave a buffer before it is overwritten). Run alone (`drive`) it is the plain
 blocking algorithm: every yield is a `Group.wait`. Run as stages of a pipeline (`run_pipeline`), one
 thread advances several of them and waits for whichever operation completes first, so the phases of
 a collective overlap without a second thread. That matters because a transport may not be safe for
@@ -20,11 +20,11 @@ the collectives of every rank in one thread on its event queue (`collectives.sim
 
 from __future__ import annotations
 
-from typing import Callable, Generator, Iterator, Sequence
+from typing import Callable, Generator, Sequence
 
 from .group import Group, Pending
 
-Steps = Iterator[Pending]
+Steps = Generator[Pending, None, None]
 """A step machine: yields what it waits for; resumed once that has completed."""
 
 Stage = Callable[[int], Steps]
@@ -34,12 +34,6 @@ Waits = Generator[Pending | list[Pending], int | None, None]
 """A step machine that may also wait for the first of several operations: it yields a `Pending`
 (resumed with None once it completed) or a list of them (resumed with the index of the first one
 found completed, in list order, as `Group.wait_any` returns it). Every `Steps` is one."""
-
-
-def run_steps(group: Group, steps: Steps) -> None:
-    """Run one step machine to the end, waiting for what it yields in turn."""
-    for pending in steps:
-        group.wait(pending)
 
 
 class _Machine:
@@ -54,8 +48,9 @@ class _Machine:
         self.pending: Pending | None = None
 
 
-def drive(group: Group, waits: Waits) -> None:
-    """Run a `Waits` machine to the end on this thread, blocking in `group` for what it yields."""
+def drive(group: Group, waits: Waits | Steps) -> None:
+    """Run a step machine to the end on this thread, blocking in `group` for what it yields: the
+    blocking form of every algorithm."""
     try:
         item = next(waits)
         while True:

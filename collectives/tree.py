@@ -37,7 +37,7 @@ from .group import Group, Pending
 from .layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
 from .ops import ReduceOp, combine, finalize
 from .pipeline import ReduceStream
-from .schedule import Steps, run_steps
+from .schedule import Steps, drive
 
 
 @functools.lru_cache(maxsize=256)
@@ -81,7 +81,7 @@ def tree_allreduce(
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> None:
     """dst = op over all members of src, over a double binary tree; `src` may be `dst`."""
-    run_steps(group, tree_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes))
+    drive(group, tree_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes))
 
 
 def tree_allreduce_steps(

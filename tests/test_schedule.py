@@ -17,7 +17,7 @@ from backends.errors import CollectiveTimeoutError, MismatchError
 from backends.simulated import Cluster, Link, SimulatedTransport, simulate
 from backends.threads import ThreadFabric
 from collectives.group import Group, Pending
-from collectives.schedule import Stage, Steps, Waits, pipeline_steps, run_pipeline, run_steps
+from collectives.schedule import Stage, Steps, Waits, drive, pipeline_steps, run_pipeline
 
 TAG = 64
 
@@ -216,12 +216,12 @@ def test_threads_wait_any_wakes_at_a_later_request() -> None:
     timer.join()
 
 
-def test_run_steps_is_the_blocking_algorithm() -> None:
+def test_one_step_machine_driven_alone_is_the_blocking_algorithm() -> None:
     """One step machine run alone gives the same result as in a pipeline."""
 
     def body(group: Group) -> float:
         data = np.full(1, group.rank + 1.0)
-        run_steps(group, exchange(group, data, 0, [], ()))
+        drive(group, exchange(group, data, 0, [], ()))
         return float(data[0])
 
     assert on_threads(body, 2) == [3.0, 3.0]
