@@ -268,6 +268,28 @@ class _Request:
         return self._done
 
     def _progress(self) -> bool:
+        """Test the envelope, then the payload (when it travels apart); True once the request
+        completed or failed."""
+        try:
+            env = self._env
+            if env is not None:
+                if not env.Test():
+                    return False
+                self._env = None
+                if self._envelope_arrived():
+                    return True
+            data = self._data
+            if data is not None:
+                if not data.Test():
+                    return False
+                self._data = None
+        except _MPI.Exception as error:
+            return self._mpi_failure(error)
+        self._finish()
+        return True
+
+    def _envelope_arrived(self) -> bool:
+        """The envelope is through: free its slot; True if that failed the request."""
         raise NotImplementedError
 
     def _finish(self) -> None:
@@ -316,59 +338,32 @@ class _Send(_Request):
     __slots__ = ()
     kind = "send to"
 
-    def _progress(self) -> bool:
-        try:
-            env = self._env
-            if env is not None:
-                if not env.Test():
-                    return False
-                self._env = None
-                if self._slot is not None:
-                    self._t._pool.append(self._slot)
-                    self._slot = None
-            data = self._data
-            if data is not None:
-                if not data.Test():
-                    return False
-                self._data = None
-        except _MPI.Exception as error:
-            return self._mpi_failure(error)
-        self._finish()
-        return True
+    def _envelope_arrived(self) -> bool:
+        if self._slot is not None:
+            self._t._pool.append(self._slot)
+            self._slot = None
+        return False
 
 
 class _Recv(_Request):
     __slots__ = ("_prefix", "_header")
     kind = "receive from"
 
-    def _progress(self) -> bool:
-        try:
-            env = self._env
-            if env is not None:
-                if not env.Test():
-                    return False
-                self._env = None
-                raw, view = slot = self._slot
-                prefix = self._prefix
-                if not raw.startswith(prefix):
-                    self._mismatch()
-                    return True
-                if self._data is None:  # payload inline
-                    start = len(prefix)
-                    size = self._buf.nbytes
-                    if size:
-                        memoryview(self._buf).cast("B")[:] = view[start : start + size]
-                self._slot = None
-                self._t._pool.append(slot)
-            data = self._data
-            if data is not None:
-                if not data.Test():
-                    return False
-                self._data = None
-        except _MPI.Exception as error:
-            return self._mpi_failure(error)
-        self._finish()
-        return True
+    def _envelope_arrived(self) -> bool:
+        """Check it against the expected header and size; copy out an inline payload."""
+        raw, view = slot = self._slot
+        prefix = self._prefix
+        if not raw.startswith(prefix):
+            self._mismatch()
+            return True
+        if self._data is None:  # payload inline
+            start = len(prefix)
+            size = self._buf.nbytes
+            if size:
+                memoryview(self._buf).cast("B")[:] = view[start : start + size]
+        self._slot = None
+        self._t._pool.append(slot)
+        return False
 
     def _mismatch(self) -> None:
         """The envelope differs from the expected one: say how, in the threads backend's words."""
