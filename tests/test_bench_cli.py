@@ -178,6 +178,22 @@ def test_plot_files_are_pngs(tmp_path) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_explain_puts_the_model_beside_the_measurement_and_auto_beside_the_fastest(capsys) -> None:
+    assert main([*QUICK, "-a", "ring,tree,auto", "--explain"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert lines[0][-2:] == ["vs", "fastest"]
+    rows = {row[1]: row for row in lines[1:]}
+    assert set(rows) == {"ring", "tree", "auto"}
+    assert all(float(rows[a][3]) > 0 for a in ("ring", "tree"))  # the model's prediction
+    choice = rows["auto"][4]  # may be an algorithm not measured here
+    assert choice in ("ring", "tree", "hierarchical", "hierarchical_tree")
+    assert [a for a in ("ring", "tree") if rows[a][4] == "*"] == ([choice] if choice in rows else [])
+    fastest = min(("ring", "tree"), key=lambda a: float(rows[a][2]))
+    gap = float(rows["auto"][2]) / float(rows[fastest][2]) - 1
+    assert float(rows["auto"][6].rstrip("%")) == pytest.approx(gap * 100, abs=0.2)  # from times printed to 0.1 us
+    assert rows["auto"][7] == f"({fastest})"
+
+
 def test_simulated_backend_prints_each_algorithm_beside_the_model_and_the_regret(capsys) -> None:
     assert main(["--backend", "simulated", "--nodes", "2", "--ranks-per-node", "2", "-b", "1K", "-e", "64K", "-f", "64"]) == 0
     out = capsys.readouterr().out
