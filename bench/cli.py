@@ -113,8 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations per algorithm and placement")
     parser.add_argument("-i", "--iters", type=int, default=9, help="timed iterations per algorithm and placement")
     parser.add_argument("--explain", action="store_true", help="add the model's prediction and auto's choice")
-    parser.add_argument("--probe", action="store_true", help="probe the links first (comm.probe())")
-    parser.add_argument("--tune", action="store_true", help="probe and tune first (comm.tune(), cached)")
+    parser.add_argument("--probe", action="store_true", help="probe the links first (comm.probe()); implies --no-tune")
+    parser.add_argument(
+        "--tune", action=argparse.BooleanOptionalAction, default=None,
+        help="probe and time every all-reduce algorithm first (comm.tune(), cached in $COLLECTIVES_TUNING_DIR "
+        "or ~/.cache/collectives); default: on when auto is measured, unless --probe",
+    )
     parser.add_argument("--csv", metavar="PATH", help="write every row as CSV")
     parser.add_argument("--json", metavar="PATH", help="write rows, parameters and environment as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw busbw against size to a PNG (needs matplotlib)")
@@ -212,6 +216,16 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         warmup=args.warmup,
         iterations=args.iters,
     )
+
+
+def tunes(args: argparse.Namespace, spec: SweepSpec) -> bool:
+    """Whether the ranks run `comm.tune()` first: as asked, else whenever auto is measured (the
+    model alone misjudges a machine where every rank shares the same cores), unless --probe."""
+    if args.tune is not None:
+        if args.tune and args.probe:
+            raise UsageError("--probe and --tune exclude each other (tuning probes first)")
+        return args.tune
+    return spec.collective == "allreduce" and "auto" in spec.algorithms and not args.probe
 
 
 def ranks_per_node(args: argparse.Namespace) -> int | list[int] | None:

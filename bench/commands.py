@@ -17,7 +17,7 @@ import sys
 from typing import Sequence
 
 from . import netns
-from .cli import UsageError, build_parser, build_scaling_parser, ranks_per_node, size_range, sweep_spec
+from .cli import UsageError, build_parser, build_scaling_parser, ranks_per_node, size_range, sweep_spec, tunes
 from .measure import SweepResult
 from .output import format_explained, format_table, write_csv, write_json
 from .run import as_launched_rank, in_processes, on_threads, rank_sweep
@@ -47,7 +47,8 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     ranks = args.ranks or (4 if args.backend == "threads" else 2)
     layout = ranks_per_node(args)
     spec = sweep_spec(args, ranks)
-    sweep = rank_sweep(spec, tune=args.tune, probe=args.probe, progress=args.progress)
+    tune = tunes(args, spec)
+    sweep = rank_sweep(spec, tune=tune, probe=args.probe, progress=args.progress)
     if args.worker_output:
         return as_launched_rank(sweep, args.worker_output)
     what = f"{spec.collective} {spec.dtype}" + (f" {spec.op}" if spec.collective in ("allreduce", "reduce_scatter") else "")
@@ -58,6 +59,11 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         f";\n# time = median over {spec.iterations} "
         f"iterations of the slowest rank"
     )
+    if "auto" in spec.algorithms:
+        how = "tuned (comm.tune(): every algorithm timed at 4 KiB, 1 MiB, 64 MiB; cached)" if tune else (
+            "the cost model on probed link costs" if args.probe else "the cost model on default link costs"
+        )
+        header += f";\n# auto = {how}"
     print(f"# {header}")
     if args.backend == "threads":
         result: SweepResult | None = on_threads(sweep, ranks, layout)
@@ -70,7 +76,7 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(format_explained(result) if args.explain else format_table(result))
     if args.emulate_nodes is not None:
         print(netns.comparison(result))
-    parameters = {**dataclasses.asdict(spec), "backend": args.backend, "ranks": ranks, "ranks_per_node": layout, "probe": args.probe, "tune": args.tune}
+    parameters = {**dataclasses.asdict(spec), "backend": args.backend, "ranks": ranks, "ranks_per_node": layout, "probe": args.probe, "tune": tune}
     if args.csv:
         write_csv(args.csv, result)
     if args.json:

@@ -24,8 +24,8 @@ from bench.scaling import ETHERNET_NODES, GPU_NODES, TrainingModel, scaling_curv
 from collectives import Communicator
 from collectives.ops import ReduceOp
 
-QUICK = ["-b", "4K", "-e", "4K", "-w", "0", "-i", "1"]
-"""One size, no warm-up, one timed iteration: correctness, not timing."""
+QUICK = ["-b", "4K", "-e", "4K", "-w", "0", "-i", "1", "--no-tune"]
+"""One size, no warm-up, one timed iteration, no tuning pass: correctness, not timing."""
 
 
 # -- options ----------------------------------------------------------------------------------------
@@ -57,6 +57,21 @@ def test_defaults_and_options_reach_the_spec() -> None:
     assert (spec.collective, spec.op, spec.dtype, spec.warmup, spec.iterations) == ("reduce_scatter", "max", "int64", 1, 5)
     assert spec.sizes == (1024, 2048, 4096) and spec.algorithms == ("ring",)
     assert _spec("-c", "broadcast", "-r", "3").algorithms == ("tree",)
+
+
+def test_auto_is_tuned_unless_told_otherwise() -> None:
+    """What the ranks run first: the tuning pass when auto is measured, the probe alone with
+    --probe, nothing for other algorithms or with --no-tune."""
+
+    def tunes(*argv: str) -> bool:
+        args = cli.build_parser().parse_args(list(argv))
+        return cli.tunes(args, cli.sweep_spec(args, 4))
+
+    assert tunes() and tunes("-a", "auto") and tunes("--tune", "-a", "ring")
+    assert not tunes("-a", "ring,tree") and not tunes("--probe") and not tunes("--no-tune")
+    assert not tunes("-c", "reduce_scatter")
+    with pytest.raises(cli.UsageError, match="exclude"):
+        tunes("--probe", "--tune")
 
 
 @pytest.mark.parametrize(
@@ -172,7 +187,7 @@ def test_progress_bar_is_off_when_stderr_is_not_a_terminal(capsys) -> None:
 def test_plot_files_are_pngs(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     sweep, scaling = tmp_path / "busbw.png", tmp_path / "scaling.png"
-    assert main(["-b", "4K", "-e", "16K", "-f", "4", "-w", "0", "-i", "1", "-a", "ring,auto", "--plot", str(sweep)]) == 0
+    assert main(["-b", "4K", "-e", "16K", "-f", "4", "-w", "0", "-i", "1", "--no-tune", "-a", "ring,auto", "--plot", str(sweep)]) == 0
     assert main(["scaling", "--simulate-up-to", "0", "--plot", str(scaling)]) == 0
     for path in (sweep, scaling):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

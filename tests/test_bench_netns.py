@@ -184,7 +184,7 @@ def test_comparison_reports_the_ratio_and_whether_auto_matches() -> None:
 
 def bench_command(*arguments: str) -> list[str]:
     return [sys.executable, "-m", "bench", "--emulate-nodes", "2", "--inter-gbit", "1", "-b", "4K", "-e", "1M", "-f", "16",
-            "-a", "ring,hierarchical,auto", "-w", "1", "-i", "2", "--emulate-timeout", str(RUN_TIMEOUT), *arguments]
+            "-a", "ring,hierarchical,auto", "--no-tune", "-w", "1", "-i", "2", "--emulate-timeout", str(RUN_TIMEOUT), *arguments]
 
 
 def leftover_namespaces(pid: int) -> list[str]:
