@@ -40,6 +40,12 @@ from .selector import Selector
 from .topology import LinkCosts, Topology
 
 
+DEFAULT_MAX_WORKERS = 8
+"""Worker processes at most, unless asked for more: a worker probing a 128-rank cluster holds
+about 230 MB (the probes carry real 1 MiB messages), so one per CPU of a large machine could
+exhaust its memory."""
+
+
 def simulate_allreduce(
     cluster: Cluster,
     algorithm: str,
@@ -151,8 +157,9 @@ def simulated_times(
     """The virtual time of a timing-only all-reduce for each (cluster, algorithm, bytes) job.
 
     The jobs are independent and CPU-bound, so `workers` processes share them (default: one per
-    CPU this process may use; 1 runs them here), the biggest first, so that no worker is left with
-    a long one at the end. Results do not depend on `workers`: each simulation is deterministic.
+    CPU this process may use, at most `DEFAULT_MAX_WORKERS`; 1 runs them here), the biggest first,
+    so that no worker is left with a long one at the end. Results do not depend on `workers`: each
+    simulation is deterministic.
     Workers are spawned, not forked (the caller may have threads), so a script that calls this at
     import time needs multiprocessing's `if __name__ == "__main__":` guard.
     """
@@ -205,8 +212,11 @@ def _biggest_first(jobs: Iterable[tuple[Cluster, str, int]]) -> list[tuple[Clust
 
 def _run_all(calls: Sequence[tuple[Callable[..., Any], tuple]], workers: int | None) -> list[Any]:
     """fn(*args) of every call, in order, over `workers` spawned processes (None: one per usable
-    CPU, or 1 where a spawned process could not re-import the main program, e.g. read from stdin)."""
-    workers = min(workers or (_usable_cpus() if _main_is_importable() else 1), len(calls))
+    CPU up to `DEFAULT_MAX_WORKERS`, or 1 where a spawned process could not re-import the main
+    program, e.g. read from stdin)."""
+    if workers is None:
+        workers = min(_usable_cpus(), DEFAULT_MAX_WORKERS) if _main_is_importable() else 1
+    workers = min(workers, len(calls))
     if workers <= 1:
         return [fn(*args) for fn, args in calls]
     try:
