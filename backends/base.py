@@ -14,8 +14,9 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
   who knows the collective, turns it into a `CollectiveTimeoutError`), or a `CollectiveError`
   when the peer aborted or the message did not match. `wait_any` blocks until one of several
   requests completes, which is how one thread drives several message streams at once (the
-  pipelined hierarchical all-reduce); the default polls, and a backend whose requests wake a
-  waiter on completion (`WakingRequest`, `wait_first`: threads, gRPC) blocks without polling.
+  pipelined hierarchical all-reduce); the default polls, a backend whose requests wake a
+  waiter on completion (`WakingRequest`, `wait_first`: threads, gRPC) blocks without polling,
+  and MPI polls all the requests in its own wait loop.
 * `abort(error)` tells every peer that this rank gives up, so they fail at once rather than wait.
 * Optionally, `native_allreduce` runs the engine's own all-reduce (MPI_Allreduce, ncclAllReduce),
   offered to users as `algorithm="native"` for side-by-side comparison.

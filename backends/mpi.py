@@ -44,6 +44,8 @@ While spinning it calls `sched_yield` every 16 polls, free on an idle machine; o
 The spin phase lasts `spin_seconds`: 2 ms when the node's ranks have a core each (a 1 MiB segment
 arrives well within it, and sleeping would stall transfers the peer is waiting for), 50 us when
 they oversubscribe the node's cores (a spinning rank would steal the core its peer needs).
+`wait_any` polls all its requests in the same loop, so a pipelined collective waiting on several
+streams sees the first completion as promptly as a single wait would.
 `TimeoutError` comes when the timeout is up, leaving the request pending as the contract says.
 
 Abort. Every rank keeps one `Irecv` posted from `ANY_SOURCE` on the reserved tag. `abort(error)`
@@ -100,7 +102,7 @@ import os
 import sys
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -609,7 +611,33 @@ class MPITransport(Transport):
 
     def _block(self, request: Any, timeout: float | None) -> None:
         """Poll `request` until it completes, the abort channel fires, or `timeout` passes."""
-        progress = request._progress
+        self._poll_until(
+            request._progress,
+            lambda: request._done,
+            lambda: f"rank {self.rank}: {request._what()} did not complete within {timeout:g} s",
+            timeout,
+        )
+
+    def wait_any(self, requests: Sequence[Any], timeout: float) -> None:
+        """Poll all of `requests` the way `Request.wait` polls one (spin, then sleep with a
+        backoff), so that whichever completes first is seen as promptly as a single wait sees its
+        own, not after the polling slice of the base class's default."""
+        if not all(hasattr(request, "_progress") for request in requests):
+            return  # one failed at posting (`_Failed`): its `wait` raises the error
+
+        def progress() -> bool:
+            return any(request._done or request._progress() for request in requests)
+
+        self._poll_until(
+            progress,
+            lambda: any(request._done for request in requests),
+            lambda: f"rank {self.rank}: none of {len(requests)} requests completed within {timeout:g} s",
+            timeout,
+        )
+
+    def _poll_until(self, progress: Callable[[], bool], done: Callable[[], bool], timed_out: Callable[[], str], timeout: float | None) -> None:
+        """Call `progress` (True: finished) until it finishes, `done` turns true after a look at
+        the abort channel, or `timeout` passes (TimeoutError with the text `timed_out` gives)."""
         for _ in range(_SPIN_POLLS):
             if progress():
                 return
@@ -619,14 +647,14 @@ class MPITransport(Transport):
         pause = 0.0
         while True:
             self._check_control()
-            if request._done:
+            if done():
                 return
             for _ in range(_POLLS_PER_CHECK):
                 if progress():
                     return
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise TimeoutError(f"rank {self.rank}: {request._what()} did not complete within {timeout:g} s")
+                raise TimeoutError(timed_out())
             if now < spin_until:
                 _yield()
             else:
