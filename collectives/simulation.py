@@ -159,9 +159,9 @@ def simulated_times(
     The jobs are independent and CPU-bound, so `workers` processes share them (default: one per
     CPU this process may use, at most `DEFAULT_MAX_WORKERS`; 1 runs them here), the biggest first,
     so that no worker is left with a long one at the end. Results do not depend on `workers`: each
-    simulation is deterministic.
-    Workers are spawned, not forked (the caller may have threads), so a script that calls this at
-    import time needs multiprocessing's `if __name__ == "__main__":` guard.
+    simulation is deterministic. Workers are spawned, not forked (the caller may have threads), so
+    a script that calls this at import time needs multiprocessing's `if __name__ == "__main__":`
+    guard.
     """
     ordered = _biggest_first(jobs)
     return dict(zip(ordered, _run_all([(_simulated_time, (*job, segment_bytes)) for job in ordered], workers)))
@@ -231,7 +231,8 @@ def _run_all(calls: Sequence[tuple[Callable[..., Any], tuple]], workers: int | N
 
 
 def _main_is_importable() -> bool:
-    """Whether a spawned process can import this program's main module (not code from stdin or -c)."""
+    """Whether a spawned process can re-import this program's main module: not when it is code
+    read from standard input (`-c` code and interactive sessions have none to import)."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     return path is None or getattr(main, "__spec__", None) is not None or os.path.isfile(path)
