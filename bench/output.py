@@ -20,6 +20,7 @@ import sys
 from importlib import metadata
 from typing import Any, Mapping
 
+from collectives import NATIVE
 from collectives.topology import LinkCosts
 
 from .measure import COPY_BOUND, IN_PLACE, OUT_OF_PLACE, Measurement, SweepResult
@@ -66,7 +67,8 @@ def format_table(result: SweepResult) -> str:
 
 def format_explained(result: SweepResult) -> str:
     """Measured out-of-place time beside the model's (tuned, if tuned) prediction; `*` marks auto's
-    pick, and auto's row says how far it is from the fastest algorithm measured at that size."""
+    pick, and auto's row says how far it is from the fastest of its candidates measured at that
+    size (not `native`, which auto does not choose from)."""
     rows = [r for r in result.rows if r.placement == OUT_OF_PLACE and r.algorithm != COPY_BOUND]
     lines = [f"{'size':>12} {'algorithm':>18} {'measured(us)':>13} {'model(us)':>11} {'auto':>18} {'#wrong':>7}  vs fastest"]
     for row in rows:
@@ -75,7 +77,7 @@ def format_explained(result: SweepResult) -> str:
         model = f"{predicted * 1e6:>11.1f}" if predicted is not None else f"{'-':>11}"
         mark = choice if row.algorithm == "auto" else ("*" if row.algorithm == choice else "")
         line = f"{row.nbytes:>12} {row.algorithm:>18} {row.seconds * 1e6:>13.1f} {model} {mark:>18} {row.wrong:>7}"
-        others = [r for r in rows if r.nbytes == row.nbytes and r.algorithm != "auto"]
+        others = [r for r in rows if r.nbytes == row.nbytes and r.algorithm not in ("auto", NATIVE)]
         if row.algorithm == "auto" and others:
             fastest = min(others, key=lambda r: r.seconds)
             line += f"  {row.seconds / fastest.seconds - 1:+.1%} ({fastest.algorithm})"
