@@ -149,7 +149,7 @@ def _tree_allreduce(
 
 
 def _tree_schedule(trees: tuple, link: Callable[[int, int], LinkCost], piece: float, gamma: float, count: int) -> float:
-    """Time `tree.tree_allreduce`'s schedule with `count` segments of `piece` bytes per tree.
+    """Time `tree.tree_allreduce_steps`' schedule with `count` segments of `piece` bytes per tree.
 
     Every rank runs its program in order (receive and reduce each child's segment, send to the
     parent; after all sends are done, receive from the parent and forward to the children); a

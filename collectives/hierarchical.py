@@ -60,7 +60,7 @@ from .group import Group
 from .layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from .ops import ReduceOp, finalize
 from .ring import ring_allgather_steps, ring_allreduce_steps, ring_reduce_scatter_steps
-from .schedule import Steps, Waits, drive, pipeline_steps
+from .schedule import Steps, Waits, pipeline_steps
 from .tree import tree_allreduce_steps
 
 INNER_ALGORITHMS = {"ring": ring_allreduce_steps, "tree": tree_allreduce_steps}
@@ -91,24 +91,6 @@ def pipeline_blocks(nbytes: float, nodes: int, largest: int, shards: int, segmen
     return int(max(1, min(MAX_PIPELINE_BLOCKS, nbytes // (shards * segment_bytes))))
 
 
-def hierarchical_allreduce(
-    group: Group,
-    nodes: Sequence[Sequence[int]],
-    src: np.ndarray,
-    dst: np.ndarray,
-    op: ReduceOp,
-    *,
-    inner: str = "ring",
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> None:
-    """dst = op over all members of src; `nodes` lists the member indices of each node.
-
-    Args:
-        inner: the all-reduce used between nodes, "ring" or "tree".
-    """
-    drive(group, hierarchical_allreduce_steps(group, nodes, src, dst, op, inner=inner, segment_bytes=segment_bytes))
-
-
 def hierarchical_allreduce_steps(
     group: Group,
     nodes: Sequence[Sequence[int]],
@@ -119,7 +101,14 @@ def hierarchical_allreduce_steps(
     inner: str = "ring",
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> Waits:
-    """`hierarchical_allreduce` as a step machine; checks its arguments when called, not when run."""
+    """dst = op over all members of src; `nodes` lists the member indices of each node.
+
+    A step machine (`schedule.Waits`); `schedule.drive` runs it blocking. It checks its arguments
+    when called, not when run.
+
+    Args:
+        inner: the all-reduce used between nodes, "ring" or "tree".
+    """
     if inner not in INNER_ALGORITHMS:
         raise ValueError(f"inner algorithm must be one of {sorted(INNER_ALGORITHMS)}, got {inner!r}")
     me = group.rank

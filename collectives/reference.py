@@ -12,16 +12,13 @@ import numpy as np
 
 from .group import Group
 from .ops import ReduceOp, combine, finalize
-from .schedule import Steps, drive
-
-
-def reference_allreduce(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> None:
-    """dst = op over all members of src, reduced on member 0 in rank order; `src` may be `dst`."""
-    drive(group, reference_allreduce_steps(group, src, dst, op))
+from .schedule import Steps
 
 
 def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> Steps:
-    """`reference_allreduce` as a step machine (`schedule`)."""
+    """dst = op over all members of src, reduced on member 0 in rank order; `src` may be `dst`.
+
+    A step machine (`schedule`); `schedule.drive` runs it blocking."""
     p, r = group.size, group.rank
     if r != 0:
         yield group.isend(src, 0)

@@ -139,24 +139,6 @@ def ring_allgather_steps(
     yield from sends
 
 
-def ring_allreduce(
-    group: Group,
-    src: np.ndarray,
-    dst: np.ndarray,
-    op: ReduceOp,
-    *,
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-) -> None:
-    """dst = op over all members of src (1-D, same length everywhere); `src` may be `dst`.
-
-    A block holds at least one segment per member: with many members a fixed block would cut
-    every step into tiny, latency-bound messages (4 MiB over 128 ranks is 32 KiB per step).
-    """
-    steps = ring_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes, block_bytes=block_bytes)
-    drive(group, steps)
-
-
 def ring_allreduce_steps(
     group: Group,
     src: np.ndarray,
@@ -166,7 +148,12 @@ def ring_allreduce_steps(
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> Steps:
-    """`ring_allreduce` as a step machine."""
+    """dst = op over all members of src (1-D, same length everywhere); `src` may be `dst`.
+
+    A step machine (`schedule`); `schedule.drive` runs it blocking. A block holds at least one
+    segment per member: with many members a fixed block would cut every step into tiny,
+    latency-bound messages (4 MiB over 128 ranks is 32 KiB per step).
+    """
     block_bytes = max(block_bytes, group.size * segment_bytes)
     for lo, hi in segments(0, src.size, segment_items(src.itemsize, block_bytes)):
         block_src, block_dst = src[lo:hi], dst[lo:hi]

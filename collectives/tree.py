@@ -37,7 +37,7 @@ from .group import Group, Pending
 from .layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
 from .ops import ReduceOp, combine, finalize
 from .pipeline import ReduceStream
-from .schedule import Steps, drive
+from .schedule import Steps
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,18 +72,6 @@ def double_binary_tree(size: int) -> tuple[tuple, tuple]:
     return (parents, children), (tuple(second_parents), tuple(second_children))
 
 
-def tree_allreduce(
-    group: Group,
-    src: np.ndarray,
-    dst: np.ndarray,
-    op: ReduceOp,
-    *,
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> None:
-    """dst = op over all members of src, over a double binary tree; `src` may be `dst`."""
-    drive(group, tree_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes))
-
-
 def tree_allreduce_steps(
     group: Group,
     src: np.ndarray,
@@ -92,7 +80,10 @@ def tree_allreduce_steps(
     *,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> Steps:
-    """`tree_allreduce` as a step machine (`schedule`), for the hierarchical all-reduce."""
+    """dst = op over all members of src, over a double binary tree; `src` may be `dst`.
+
+    A step machine (`schedule`); `schedule.drive` runs it blocking, the hierarchical all-reduce
+    runs it as a pipeline stage."""
     p, r = group.size, group.rank
     if p == 1:
         if src is not dst:
