@@ -1,6 +1,6 @@
 """Cluster description and wire format of the gRPC transport (pure Python, no grpcio needed).
 
-Kept apart from `backends.grpc` so that configuration errors and frame parsing can be tested (and
+Kept apart from `collectives.backends.grpc` so that configuration errors and frame parsing can be tested (and
 reported) without grpcio installed.
 
 Cluster description, in order of precedence:
@@ -34,8 +34,8 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .base import emulated_host
 
@@ -142,7 +142,9 @@ def parse_tf_config(text: str) -> tuple[int, tuple[str, ...]]:
     for job in ("chief", "worker"):
         members = cluster.get(job, [])
         if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
-            raise ValueError(f'{ENV_TF_CONFIG}: cluster["{job}"] must be a list of "host:port" strings, got {members!r}')
+            raise ValueError(
+                f'{ENV_TF_CONFIG}: cluster["{job}"] must be a list of "host:port" strings, got {members!r}'
+            )
         jobs[job] = members
     if len(jobs["chief"]) > 1:
         raise ValueError(f'{ENV_TF_CONFIG}: cluster["chief"] must have at most one address, got {jobs["chief"]!r}')
@@ -249,7 +251,9 @@ def encode_prefix(flags: int, tag: int, total: int, header_len: int) -> bytes:
 def decode_frame(frame: bytes) -> tuple[int, int, int, bytes, memoryview]:
     """(flags, tag, total, header, payload view) of one frame; FrameError if malformed."""
     if not isinstance(frame, bytes) or len(frame) < PREFIX.size:
-        raise FrameError(f"frame of {len(frame) if isinstance(frame, bytes) else '?'} bytes is shorter than its {PREFIX.size}-byte prefix")
+        raise FrameError(
+            f"frame of {len(frame) if isinstance(frame, bytes) else '?'} bytes is shorter than its {PREFIX.size}-byte prefix"
+        )
     magic, version, flags, tag, total, header_len = PREFIX.unpack_from(frame)
     if magic != FRAME_MAGIC or version != FRAME_VERSION:
         raise FrameError(f"bad frame magic/version {magic!r}/{version}")

@@ -36,7 +36,8 @@ import _thread
 import abc
 import os
 import time
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -253,8 +254,7 @@ def check_buffer(buf: Buffer) -> None:
         raise TypeError(f"transport buffers must be arrays, got {type(buf).__name__}")
     if buf.ndim != 1 or not buf.flags.c_contiguous:
         raise ValueError(
-            f"transport buffers must be 1-D and C-contiguous, got ndim={buf.ndim}, "
-            f"contiguous={buf.flags.c_contiguous}"
+            f"transport buffers must be 1-D and C-contiguous, got ndim={buf.ndim}, contiguous={buf.flags.c_contiguous}"
         )
 
 

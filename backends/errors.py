@@ -7,7 +7,7 @@ a log from one rank of many: it names the rank that raised, the peer involved an
 
 from __future__ import annotations
 
-from typing import Container
+from collections.abc import Container
 
 
 class CollectiveError(RuntimeError):
@@ -58,7 +58,9 @@ def abort_kind(error: BaseException) -> str:
     return ABORT_MISMATCH if isinstance(error, MismatchError) else ABORT_LOST
 
 
-def post_refusal(abort: tuple[int, str, str] | None, closed: Container[int], rank: int, peer: int) -> CollectiveError | None:
+def post_refusal(
+    abort: tuple[int, str, str] | None, closed: Container[int], rank: int, peer: int
+) -> CollectiveError | None:
     """Why an in-process fabric must fail a new send or receive between `rank` and `peer` at once,
     or None: the world aborted (`abort` is its (origin, kind, text)), or either side has closed."""
     if abort is not None:

@@ -80,8 +80,9 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -134,7 +135,7 @@ def _import_grpc() -> Any:
     return grpc
 
 
-def _close_before_exit(transport: "GrpcTransport") -> None:
+def _close_before_exit(transport: GrpcTransport) -> None:
     """Close `transport` when the interpreter starts to exit, if the program did not.
 
     The server's handler threads wait on their peers' streams and the thread pool joins them at
@@ -216,7 +217,9 @@ class _Landing:
 
     __slots__ = ("tag", "total", "recv", "incoming", "offset", "parts", "skip")
 
-    def __init__(self, tag: int, total: int, recv: _Request | None, incoming: _Incoming | None, skip: bool = False) -> None:
+    def __init__(
+        self, tag: int, total: int, recv: _Request | None, incoming: _Incoming | None, skip: bool = False
+    ) -> None:
         self.tag = tag
         self.total = total
         self.recv = recv  # a matched receive being filled
@@ -349,10 +352,10 @@ class GrpcTransport(Transport):
         *,
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         **options: Any,
-    ) -> "GrpcTransport":
+    ) -> GrpcTransport:
         """Join the world described by the environment (COLLECTIVES_* or TF_CONFIG).
 
-        See `backends._grpc_config` for the variables. ``COLLECTIVES_GRPC_CHUNK_BYTES`` optionally
+        See `collectives.backends._grpc_config` for the variables. ``COLLECTIVES_GRPC_CHUNK_BYTES`` optionally
         overrides `chunk_bytes`; other keyword arguments go to the constructor.
 
         Raises:
@@ -381,7 +384,10 @@ class GrpcTransport(Transport):
     # -- set-up -------------------------------------------------------------------------------------
 
     def _metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        items: list[tuple[str, str | bytes]] = [(RANK_METADATA_KEY, str(self.rank)), (SIZE_METADATA_KEY, str(self.size))]
+        items: list[tuple[str, str | bytes]] = [
+            (RANK_METADATA_KEY, str(self.rank)),
+            (SIZE_METADATA_KEY, str(self.size)),
+        ]
         if self._secret is not None:
             items.append((SECRET_METADATA_KEY, self._secret))
         return tuple(items)
@@ -395,9 +401,7 @@ class GrpcTransport(Transport):
         }
         generic = grpc.method_handlers_generic_handler(SERVICE, handlers)
         # One thread per incoming peer stream, plus room for pings, aborts and refused callers.
-        pool = futures.ThreadPoolExecutor(
-            max_workers=self.size + 8, thread_name_prefix=f"collectives-grpc{self.rank}"
-        )
+        pool = futures.ThreadPoolExecutor(max_workers=self.size + 8, thread_name_prefix=f"collectives-grpc{self.rank}")
         self._pool = pool
         self._server = grpc.server(pool, handlers=[generic], options=self._options)
         address = self.addresses[self.rank]
@@ -463,8 +467,12 @@ class GrpcTransport(Transport):
                     answer = json.loads(call.result())
                 except grpc.RpcError as error:
                     code = error.code()
-                    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
-                                grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+                    if code in (
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        grpc.StatusCode.UNIMPLEMENTED,
+                    ):
                         raise PeerLostError(
                             f"rank {self.rank}: rank {peer} at {self.addresses[peer]} refused to join: "
                             f"{code.name}: {error.details()}"
@@ -482,10 +490,11 @@ class GrpcTransport(Transport):
                 waiting.discard(peer)
             attempt = min(attempt * 2, 5.0)
         if waiting:
-            names = ", ".join(f"rank {peer} at {self.addresses[peer]} ({failures.get(peer, 'no answer')})" for peer in sorted(waiting))
+            names = ", ".join(
+                f"rank {peer} at {self.addresses[peer]} ({failures.get(peer, 'no answer')})" for peer in sorted(waiting)
+            )
             raise PeerLostError(
-                f"rank {self.rank}: peers did not answer within the start-up timeout of "
-                f"{startup_timeout:g} s: {names}"
+                f"rank {self.rank}: peers did not answer within the start-up timeout of {startup_timeout:g} s: {names}"
             )
         for peer in peers:
             self._open_stream(peer)
@@ -537,7 +546,9 @@ class GrpcTransport(Transport):
             data = buf.view(np.uint8)
             total = data.nbytes
             if total <= chunk:
-                frame = _frame(wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, request.tag, total, len(header)) + header, data)
+                frame = _frame(
+                    wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, request.tag, total, len(header)) + header, data
+                )
                 request._finish()
                 yield frame
                 continue
@@ -545,7 +556,9 @@ class GrpcTransport(Transport):
                 stop = min(start + chunk, total)
                 flags = (wire.FLAG_FIRST if start == 0 else 0) | (wire.FLAG_LAST if stop == total else 0)
                 first_header = header if start == 0 else b""
-                frame = _frame(wire.encode_prefix(flags, request.tag, total, len(first_header)) + first_header, data[start:stop])
+                frame = _frame(
+                    wire.encode_prefix(flags, request.tag, total, len(first_header)) + first_header, data[start:stop]
+                )
                 if stop == total:
                     request._finish()
                 yield frame
@@ -658,9 +671,9 @@ class GrpcTransport(Transport):
             elif total:
                 np.copyto(buf.view(np.uint8), np.frombuffer(payload, dtype=np.uint8))
         except BaseException as failure:  # noqa: BLE001 - reported to the receiver
-            request._finish(PeerLostError(
-                f"rank {self.rank}: reducing the message from rank {request.peer} failed: {failure!r}"
-            ))
+            request._finish(
+                PeerLostError(f"rank {self.rank}: reducing the message from rank {request.peer} failed: {failure!r}")
+            )
             return
         request._finish()
 
@@ -820,7 +833,8 @@ class GrpcTransport(Transport):
                     log.warning(
                         "rank %d: refused a call from %s without the right shared secret "
                         "(COLLECTIVES_SECRET); is a stale or foreign job talking to this port?",
-                        self.rank, peer,
+                        self.rank,
+                        peer,
                     )
                 context.abort(self._grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared secret")
         text = metadata.get(RANK_METADATA_KEY)
@@ -851,7 +865,12 @@ class GrpcTransport(Transport):
         try:
             notice = json.loads(request)
             origin, kind, text = notice["origin"], notice["kind"], notice["text"]
-            if not (isinstance(origin, int) and 0 <= origin < self.size and kind in ("mismatch", "lost") and isinstance(text, str)):
+            if not (
+                isinstance(origin, int)
+                and 0 <= origin < self.size
+                and kind in ("mismatch", "lost")
+                and isinstance(text, str)
+            ):
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, "malformed abort notice")
@@ -882,7 +901,9 @@ class GrpcTransport(Transport):
             return b""
         except wire.FrameError as error:
             reason = f"sent a malformed frame ({error})"
-            log.warning("rank %d: refused a malformed frame from %s claiming rank %d: %s", self.rank, context.peer(), src, error)
+            log.warning(
+                "rank %d: refused a malformed frame from %s claiming rank %d: %s", self.rank, context.peer(), src, error
+            )
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {error}")
         except grpc.RpcError:
             raise  # the peer's connection broke: reported as lost below
@@ -895,12 +916,15 @@ class GrpcTransport(Transport):
                 landing = self._landing.pop(src, None)
                 self._streams_in.discard(src)
             if landing is not None and landing.recv is not None:
-                landing.recv._finish(PeerLostError(
-                    f"rank {self.rank}: the message from rank {src} (tag {landing.recv.tag}) was cut off"
-                ))
+                landing.recv._finish(
+                    PeerLostError(f"rank {self.rank}: the message from rank {src} (tag {landing.recv.tag}) was cut off")
+                )
             if not self._closed:
-                self._peer_gone(src, f"rank {self.rank}: peer rank {src} at {self.addresses[src]} "
-                                + ("closed its transport" if clean else reason))
+                self._peer_gone(
+                    src,
+                    f"rank {self.rank}: peer rank {src} at {self.addresses[src]} "
+                    + ("closed its transport" if clean else reason),
+                )
         return b""
 
     # -- failures -----------------------------------------------------------------------------------
@@ -1012,9 +1036,13 @@ class GrpcTransport(Transport):
         for outbox in self._outboxes.values():
             outbox.put(None)  # ends the stream after the frames already queued
         deadline = time.monotonic() + CLOSE_FLUSH_SECONDS
-        flush = [] if self._abort is not None else [  # after an abort the data is of no use
-            call for peer, call in self._stream_calls.items() if peer not in self._lost
-        ]
+        flush = (
+            []
+            if self._abort is not None
+            else [  # after an abort the data is of no use
+                call for peer, call in self._stream_calls.items() if peer not in self._lost
+            ]
+        )
         for call in flush:
             try:
                 call.result(timeout=max(deadline - time.monotonic(), 0.0))

@@ -3,7 +3,7 @@
 Start the ranks with `mpiexec -n 4 python train.py` and build the transport with
 `MPITransport.from_environment()` (a duplicate of `MPI.COMM_WORLD`, so library traffic never meets
 the application's own MPI messages), or pass any intra-communicator to `MPITransport(comm)`; both
-are collective calls. mpi4py is imported on first use: `import backends.mpi` works without it, and
+are collective calls. mpi4py is imported on first use: `import collectives.backends.mpi` works without it, and
 using the backend without it raises `BackendUnavailableError` naming the `mpi` extra.
 
 Messages. Every `isend` of a buffer of n bytes with header h becomes::
@@ -102,7 +102,8 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -635,7 +636,13 @@ class MPITransport(Transport):
             timeout,
         )
 
-    def _poll_until(self, progress: Callable[[], bool], done: Callable[[], bool], timed_out: Callable[[], str], timeout: float | None) -> None:
+    def _poll_until(
+        self,
+        progress: Callable[[], bool],
+        done: Callable[[], bool],
+        timed_out: Callable[[], str],
+        timeout: float | None,
+    ) -> None:
         """Call `progress` (True: finished) until it finishes, `done` turns true after a look at
         the abort channel, or `timeout` passes (TimeoutError with the text `timed_out` gives)."""
         for _ in range(_SPIN_POLLS):

@@ -23,7 +23,7 @@ and the receive complete when the last byte is delivered (the receive no earlier
 
 Reductions cost gamma seconds per output byte of virtual time on the rank that reduces. Buffers
 made by `SimulatedTransport.empty` are numpy subclasses whose ufuncs charge that time, so
-`collectives.ops.combine` is charged without knowing about the simulator (scratch arrays made by
+`collectives.core.ops.combine` is charged without knowing about the simulator (scratch arrays made by
 plain `np.empty` are charged too, as long as one operand or the output is such a buffer). The
 backend does not offer `irecv_reduce`, so every reduction runs on the receiving rank's thread,
 where it is charged.
@@ -43,7 +43,7 @@ real time per message. `simulate_steps` runs each rank as a generator that yield
 waits for (`RankSteps`), all in the calling thread: resuming a generator costs about as much as a
 function call, so the same algorithm code simulates several times faster and 1024 ranks need no
 1024 threads. Both use the same event queue and resume ranks in the same order, so their virtual
-times are identical; the algorithms' step machines (`collectives.schedule`) run under either.
+times are identical; the algorithms' step machines (`collectives.core.schedule`) run under either.
 
 Limits: under `simulate` only blocking use is supported (an algorithm or a blocking
 `Communicator` call on each rank's own thread), and under `simulate_steps` a rank must yield
@@ -54,18 +54,27 @@ request would stop the whole simulation. When every live rank waits and no messa
 
 from __future__ import annotations
 
+import _thread
 import gc
 import heapq
 import threading
-import _thread
 from collections import deque
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Generic, Sequence, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from .base import Transport
-from .errors import CollectiveError, CollectiveTimeoutError, MismatchError, PeerLostError, abort_kind, error_from_abort, post_refusal
+from .errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    MismatchError,
+    PeerLostError,
+    abort_kind,
+    error_from_abort,
+    post_refusal,
+)
 
 T = TypeVar("T")
 
@@ -200,7 +209,7 @@ def _charge(nbytes: int) -> None:
 class _Request:
     __slots__ = ("sim", "kind", "rank", "peer", "tag", "buf", "nbytes", "header", "completed", "error")
 
-    def __init__(self, sim: "Simulator", kind: str, rank: int, peer: int, tag: int, buf: Any, header: bytes) -> None:
+    def __init__(self, sim: Simulator, kind: str, rank: int, peer: int, tag: int, buf: Any, header: bytes) -> None:
         self.sim = sim
         self.kind = kind
         self.rank = rank
@@ -283,7 +292,7 @@ class Simulator:
         """Running generators (`run_steps`): a rank may not block its thread."""
         self.messages = 0
 
-    def endpoint(self, rank: int) -> "SimulatedTransport":
+    def endpoint(self, rank: int) -> SimulatedTransport:
         return SimulatedTransport(self, rank)
 
     def clock(self, rank: int) -> float:
@@ -291,7 +300,7 @@ class Simulator:
 
     # -- running ranks -----------------------------------------------------------------------------
 
-    def run(self, fn: Callable[["SimulatedTransport"], T]) -> tuple[list[T | None], list[tuple[int, BaseException]]]:
+    def run(self, fn: Callable[[SimulatedTransport], T]) -> tuple[list[T | None], list[tuple[int, BaseException]]]:
         """Run `fn` on every rank to the end; (results, [(rank, error)...])."""
         size = self.cluster.size
         results: list[T | None] = [None] * size
@@ -310,7 +319,10 @@ class Simulator:
                 self._ranks[rank].alive = False
                 self._hand_over(None)
 
-        threads = [threading.Thread(target=rank_main, args=(rank,), name=f"sim-rank{rank}", daemon=True) for rank in range(size)]
+        threads = [
+            threading.Thread(target=rank_main, args=(rank,), name=f"sim-rank{rank}", daemon=True)
+            for rank in range(size)
+        ]
         for thread in threads:
             thread.start()
         self._hand_over(None)
@@ -319,7 +331,9 @@ class Simulator:
             thread.join()
         return results, errors
 
-    def run_steps(self, start: Callable[["SimulatedTransport"], RankSteps[T]]) -> tuple[list[T | None], list[tuple[int, BaseException]]]:
+    def run_steps(
+        self, start: Callable[[SimulatedTransport], RankSteps[T]]
+    ) -> tuple[list[T | None], list[tuple[int, BaseException]]]:
         """Run the generator `start(transport)` of every rank to the end on this thread, as `run`
         runs threads: the rank `_next` picks is resumed until it yields requests none of which has
         completed yet; (results, [(rank, error)...])."""
@@ -558,7 +572,9 @@ class Simulator:
         if not 0 <= peer < self._size:
             raise ValueError(f"rank {rank}: peer {peer} is outside the world of size {self.cluster.size}")
         request = _Request(self, kind, rank, peer, tag, buf, header)
-        refusal = None if self._abort is None and not self._closed else post_refusal(self._abort, self._closed, rank, peer)
+        refusal = (
+            None if self._abort is None and not self._closed else post_refusal(self._abort, self._closed, rank, peer)
+        )
         if refusal is not None:
             self._complete(request, self._ranks[rank].clock, refusal)
         else:

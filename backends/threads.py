@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -40,7 +40,7 @@ class ThreadFabric:
         self._closed: set[int] = set()
         self._abort: tuple[int, str, str] | None = None
 
-    def endpoint(self, rank: int) -> "ThreadTransport":
+    def endpoint(self, rank: int) -> ThreadTransport:
         """The transport of one rank."""
         return ThreadTransport(self, rank)
 
@@ -102,9 +102,7 @@ class ThreadFabric:
                 self._unmatched[(request.kind, src, dst, request.tag)].remove(request)
         for request in victims:
             who = "transport" if request.rank == rank else f"peer rank {rank}'s transport"
-            request._finish(
-                PeerLostError(f"rank {request.rank}: {who} closed with a {request.kind} pending")
-            )
+            request._finish(PeerLostError(f"rank {request.rank}: {who} closed with a {request.kind} pending"))
 
 
 def _deliver(send: LockRequest, recv: LockRequest) -> None:
@@ -129,7 +127,9 @@ def _deliver(send: LockRequest, recv: LockRequest) -> None:
             recv.consume(send.buf)
         except BaseException as failure:  # noqa: BLE001 - reported to the receiver, not the sender
             send._finish()
-            recv._finish(PeerLostError(f"rank {recv.rank}: reducing the message from rank {send.rank} failed: {failure!r}"))
+            recv._finish(
+                PeerLostError(f"rank {recv.rank}: reducing the message from rank {send.rank} failed: {failure!r}")
+            )
             return
     elif send.buf.dtype == recv.buf.dtype:
         np.copyto(recv.buf, send.buf)
@@ -198,7 +198,6 @@ def node_hosts(world_size: int, ranks_per_node: int | Sequence[int] | None) -> l
         sizes = [int(s) for s in ranks_per_node]
         if any(s < 1 for s in sizes) or sum(sizes) != world_size:
             raise ValueError(
-                f"ranks_per_node {list(ranks_per_node)} must be positive sizes summing to the "
-                f"world size {world_size}"
+                f"ranks_per_node {list(ranks_per_node)} must be positive sizes summing to the world size {world_size}"
             )
     return [f"node{node}" for node, count in enumerate(sizes) for _ in range(count)]

@@ -8,13 +8,13 @@
 The first form prints an nccl-tests table (out-of-place and in-place columns, `#wrong` from an exact
 check) for one collective on one backend. With `--backend mpi` or `grpc` the ranks are processes
 started for you (through `collectives.launch`); `--backend simulated` prints the cost model's and
-the simulator's times and auto's regret on a simulated cluster (`bench.simulated`);
+the simulator's times and auto's regret on a simulated cluster (`collectives.bench.simulated`);
 `--emulate-nodes N --inter-gbit G` runs the gRPC ranks on N nodes emulated with Linux network
-namespaces whose links are rate-limited to G Gbit/s (`bench.netns`). The second form
-prints (and plots) data-parallel training efficiency against rank count (`bench.scaling`).
+namespaces whose links are rate-limited to G Gbit/s (`collectives.bench.netns`). The second form
+prints (and plots) data-parallel training efficiency against rank count (`collectives.bench.scaling`).
 
 Everything is checked here, before any rank starts, so a bad option is one clear line, never a
-traceback from every rank. What each command does is in `bench.commands`.
+traceback from every rank. What each command does is in `collectives.bench.commands`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import argparse
 
 import numpy as np
 
-from backends.simulated import Link
 from collectives import ALLREDUCE_ALGORITHMS, NATIVE, REDUCTION_DTYPES
-from collectives.ops import ReduceOp
+from collectives.backends.simulated import Link
+from collectives.core.ops import ReduceOp
 
 from .measure import FIXED_ALGORITHM, SweepSpec
 from .payloads import COLLECTIVES, REDUCING, check_exact
@@ -93,29 +93,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--backend", choices=("threads", "mpi", "grpc", "simulated"), default="threads")
     parser.add_argument("-c", "--collective", choices=COLLECTIVES, default="allreduce")
-    parser.add_argument("-n", "--ranks", type=int, default=None, help="number of ranks (default 4 on threads, 2 otherwise)")
     parser.add_argument(
-        "--ranks-per-node", type=_int_list, default=None,
+        "-n", "--ranks", type=int, default=None, help="number of ranks (default 4 on threads, 2 otherwise)"
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=_int_list,
+        default=None,
         help="emulated ranks per node (default 2 on threads); on threads also a list of node sizes, e.g. 3,1",
     )
-    parser.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"), help="smallest size (default 4K)")
-    parser.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (default 64M)")
+    parser.add_argument(
+        "-b", "--minbytes", type=parse_size, default=parse_size("4K"), help="smallest size (default 4K)"
+    )
+    parser.add_argument(
+        "-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (default 64M)"
+    )
     parser.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier (default 4)")
     parser.add_argument(
-        "-a", "--algorithms", default=None,
+        "-a",
+        "--algorithms",
+        default=None,
         help=f"comma-separated all-reduce algorithms from auto,{','.join(ALLREDUCE_ALGORITHMS)},{NATIVE} "
         f"(native: MPI only); default {','.join(DEFAULT_ALLREDUCE)} (+native on MPI); the other "
         f"collectives have one algorithm each ({', '.join(f'{c}: {a}' for c, a in FIXED_ALGORITHM.items())})",
     )
-    parser.add_argument("-d", "--dtype", default="float32", help=f"one of {', '.join(d.name for d in REDUCTION_DTYPES)}")
-    parser.add_argument("-o", "--op", default=None, help="sum, prod, max, min or mean (reducing collectives; default sum)")
+    parser.add_argument(
+        "-d", "--dtype", default="float32", help=f"one of {', '.join(d.name for d in REDUCTION_DTYPES)}"
+    )
+    parser.add_argument(
+        "-o", "--op", default=None, help="sum, prod, max, min or mean (reducing collectives; default sum)"
+    )
     parser.add_argument("-r", "--root", type=int, default=0, help="broadcast root (default 0)")
     parser.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations per algorithm and placement")
     parser.add_argument("-i", "--iters", type=int, default=9, help="timed iterations per algorithm and placement")
     parser.add_argument("--explain", action="store_true", help="add the model's prediction and auto's choice")
     parser.add_argument("--probe", action="store_true", help="probe the links first (comm.probe()); implies --no-tune")
     parser.add_argument(
-        "--tune", action=argparse.BooleanOptionalAction, default=None,
+        "--tune",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="probe and time every all-reduce algorithm first (comm.tune(), cached in $COLLECTIVES_TUNING_DIR "
         "or ~/.cache/collectives); default: on when auto is measured, unless --probe",
     )
@@ -123,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="PATH", help="write rows, parameters and environment as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw busbw against size to a PNG (needs matplotlib)")
     parser.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="progress bar on stderr (default: only when stderr is a terminal)",
     )
     simulated = parser.add_argument_group("simulated backend")
@@ -133,16 +151,31 @@ def build_parser() -> argparse.ArgumentParser:
     simulated.add_argument("--nic", type=float, default=10, help="GB/s through each node's NIC (default 10)")
     simulated.add_argument("--gamma", type=float, default=20, help="reduction GB/s (default 20)")
     simulated.add_argument(
-        "--grid", action="store_true",
+        "--grid",
+        action="store_true",
         help="instead: the selector's validation grid (1x8 .. 16x8 clusters, inter-node links 10x and 100x "
         "slower, 1 KiB .. 256 MiB), largest regret per cluster",
     )
     emulated = parser.add_argument_group(
-        "emulated nodes (bench.netns: Linux network namespaces, needs root; else runs the equivalent simulated cluster)"
+        "emulated nodes (collectives.bench.netns: Linux network namespaces, needs root; else runs the equivalent simulated cluster)"
     )
-    emulated.add_argument("--emulate-nodes", type=int, default=None, metavar="N", help="run the grpc ranks in N network namespaces, --ranks-per-node each (default 2)")
-    emulated.add_argument("--inter-gbit", type=float, default=1.0, help="rate limit of each node's link, each way, in Gbit/s (default 1)")
-    emulated.add_argument("--emulate-timeout", type=float, default=600.0, metavar="SECONDS", help="stop the ranks after this long (default 600)")
+    emulated.add_argument(
+        "--emulate-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the grpc ranks in N network namespaces, --ranks-per-node each (default 2)",
+    )
+    emulated.add_argument(
+        "--inter-gbit", type=float, default=1.0, help="rate limit of each node's link, each way, in Gbit/s (default 1)"
+    )
+    emulated.add_argument(
+        "--emulate-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="stop the ranks after this long (default 600)",
+    )
     parser.add_argument("--worker-output", help=argparse.SUPPRESS)  # set when started as a rank
     return parser
 
@@ -158,12 +191,17 @@ def build_scaling_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compute-seconds", type=float, default=0.12, help="compute time of one step (default 0.12)")
     parser.add_argument("--bucket-mib", type=float, default=25, help="gradient bucket size in MiB (default 25)")
     parser.add_argument(
-        "--simulate-up-to", type=int, default=256,
+        "--simulate-up-to",
+        type=int,
+        default=256,
         help="also run the simulated backend up to this many ranks (default 256, seconds on two "
         "cores; 1024 takes about 3 minutes; 0: model only)",
     )
     parser.add_argument(
-        "--measured", type=_int_list, default=None, metavar="RANKS",
+        "--measured",
+        type=_int_list,
+        default=None,
+        metavar="RANKS",
         help="also measure on thread ranks of this machine at these rank counts, e.g. 2,4,8",
     )
     return parser
@@ -181,7 +219,9 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip()) if args.algorithms else default
     unknown = [a for a in algorithms if a not in known]
     if unknown:
-        raise UsageError(f"unknown algorithm(s) for {collective}: {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
+        raise UsageError(
+            f"unknown algorithm(s) for {collective}: {', '.join(unknown)}; expected some of {', '.join(sorted(known))}"
+        )
     if NATIVE in algorithms and args.backend != "mpi":
         raise UsageError(f"algorithm {NATIVE!r} needs --backend mpi")
     try:
@@ -189,7 +229,9 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     except TypeError:
         raise UsageError(f"unknown dtype {args.dtype!r}") from None
     if dtype not in REDUCTION_DTYPES:
-        raise UsageError(f"dtype {dtype} is not supported; expected one of {', '.join(d.name for d in REDUCTION_DTYPES)}")
+        raise UsageError(
+            f"dtype {dtype} is not supported; expected one of {', '.join(d.name for d in REDUCTION_DTYPES)}"
+        )
     if args.op is not None and collective not in REDUCING:
         raise UsageError(f"{collective} takes no reduction op (-o is for {' and '.join(REDUCING)})")
     try:

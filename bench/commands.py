@@ -1,7 +1,7 @@
-"""What each `python -m bench` command does, once its options are checked (`bench.cli`).
+"""What each `python -m bench` command does, once its options are checked (`collectives.bench.cli`).
 
 - the sweep: measure one collective on threads (here), MPI or gRPC (launched processes, or gRPC
-  ranks on emulated nodes, `bench.netns`), print the table, write CSV/JSON/plot on request; exit
+  ranks on emulated nodes, `collectives.bench.netns`), print the table, write CSV/JSON/plot on request; exit
   status 1 if any element was wrong;
 - `--backend simulated`: the selector's regret table on a simulated cluster;
 - `scaling`: training efficiency against rank count, from the cost model, the simulator and
@@ -14,7 +14,7 @@ import argparse
 import csv
 import dataclasses
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import netns
 from .cli import UsageError, build_parser, build_scaling_parser, ranks_per_node, size_range, sweep_spec, tunes
@@ -51,7 +51,9 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     sweep = rank_sweep(spec, tune=tune, probe=args.probe, progress=args.progress)
     if args.worker_output:
         return as_launched_rank(sweep, args.worker_output)
-    what = f"{spec.collective} {spec.dtype}" + (f" {spec.op}" if spec.collective in ("allreduce", "reduce_scatter") else "")
+    what = f"{spec.collective} {spec.dtype}" + (
+        f" {spec.op}" if spec.collective in ("allreduce", "reduce_scatter") else ""
+    )
     header = (
         f"{what}, {args.backend} backend, {ranks} ranks"
         f"{f', {layout} per node' if layout else ''}"
@@ -60,8 +62,10 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         f"iterations of the slowest rank"
     )
     if "auto" in spec.algorithms:
-        how = "tuned (comm.tune(): every algorithm timed at 4 KiB, 1 MiB, 64 MiB; cached)" if tune else (
-            "the cost model on probed link costs" if args.probe else "the cost model on default link costs"
+        how = (
+            "tuned (comm.tune(): every algorithm timed at 4 KiB, 1 MiB, 64 MiB; cached)"
+            if tune
+            else ("the cost model on probed link costs" if args.probe else "the cost model on default link costs")
         )
         header += f";\n# auto = {how}"
     print(f"# {header}")
@@ -76,7 +80,14 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(format_explained(result) if args.explain else format_table(result))
     if args.emulate_nodes is not None:
         print(netns.comparison(result))
-    parameters = {**dataclasses.asdict(spec), "backend": args.backend, "ranks": ranks, "ranks_per_node": layout, "probe": args.probe, "tune": tune}
+    parameters = {
+        **dataclasses.asdict(spec),
+        "backend": args.backend,
+        "ranks": ranks,
+        "ranks_per_node": layout,
+        "probe": args.probe,
+        "tune": tune,
+    }
     if args.csv:
         write_csv(args.csv, result)
     if args.json:
@@ -94,8 +105,8 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def simulated_command(args: argparse.Namespace) -> int:
     """The selector's regret table on the simulated cluster described by the options, or with
     `--grid` the largest regret on each cluster of the validation grid."""
-    from backends.simulated import Cluster
-    from collectives.simulation import regret_grid
+    from collectives.backends.simulated import Cluster
+    from collectives.selection.simulation import regret_grid
 
     from .simulated import GRID_SIZES, grid_summary, regret_table, run_grid
 
@@ -109,7 +120,9 @@ def simulated_command(args: argparse.Namespace) -> int:
         cells = run_grid()
     else:
         per_node = args.ranks_per_node[0] if args.ranks_per_node else 4
-        cluster = Cluster(args.nodes, per_node, args.intra, args.inter, nic_bandwidth=args.nic * 1e9, gamma=1 / (args.gamma * 1e9))
+        cluster = Cluster(
+            args.nodes, per_node, args.intra, args.inter, nic_bandwidth=args.nic * 1e9, gamma=1 / (args.gamma * 1e9)
+        )
         print(f"# all-reduce on a simulated cluster of {args.nodes} x {per_node} ranks (virtual time)")
         cells = regret_grid([cluster], size_range(args.minbytes, args.maxbytes, args.stepfactor))
     print(grid_summary(cells) if args.grid else regret_table(cells))
@@ -118,8 +131,16 @@ def simulated_command(args: argparse.Namespace) -> int:
 
 
 def scaling_command(args: argparse.Namespace) -> int:
-    """Efficiency table (and plot, CSV) of the scaling model; see `bench.scaling`."""
-    from .scaling import CLUSTER_KINDS, RANK_COUNTS, SCALING_ALGORITHMS, TrainingModel, format_scaling, measured_curve, scaling_curve
+    """Efficiency table (and plot, CSV) of the scaling model; see `collectives.bench.scaling`."""
+    from .scaling import (
+        CLUSTER_KINDS,
+        RANK_COUNTS,
+        SCALING_ALGORITHMS,
+        TrainingModel,
+        format_scaling,
+        measured_curve,
+        scaling_curve,
+    )
 
     model = TrainingModel(compute_seconds=args.compute_seconds, bucket_bytes=int(args.bucket_mib * (1 << 20)))
     points = []
@@ -129,7 +150,9 @@ def scaling_command(args: argparse.Namespace) -> int:
         for algorithm in algorithms:
             points += scaling_curve(kind, algorithm, model)
             if algorithm != "auto" and args.simulate_up_to:
-                points += scaling_curve(kind, algorithm, model, [r for r in RANK_COUNTS if r <= args.simulate_up_to], simulated=True)
+                points += scaling_curve(
+                    kind, algorithm, model, [r for r in RANK_COUNTS if r <= args.simulate_up_to], simulated=True
+                )
     if args.measured:
         points += measured_curve(args.measured, model)
     print(

@@ -14,7 +14,7 @@ the same algorithm differ by 15-20% at small sizes. Every placement is timed twi
 
 Outputs are poisoned (zeroed: no correct value is zero) before every iteration, so an iteration
 that writes nothing cannot pass on the previous one's result; `wrong` counts elements that differ
-from the exact expected result (`bench.payloads`), summed over ranks and iterations.
+from the exact expected result (`collectives.bench.payloads`), summed over ranks and iterations.
 
 Beside the algorithms, every size gets a `copy-bound` row: all ranks copy their input to their
 output at once, with numpy, and nothing else. Any collective must at least read each input and
@@ -25,13 +25,13 @@ busbw is the ceiling the algorithms are measured against.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from collectives import Communicator
-from collectives.ops import ReduceOp
+from collectives.core.ops import ReduceOp
 
 from .payloads import REDUCING, expected_output, input_count, make_input, output_count
 
@@ -58,7 +58,7 @@ class Measurement:
     """One (size, algorithm, placement) cell of the results."""
 
     nbytes: int
-    """nccl-tests' size: bytes of the large buffer (see `bench.payloads`)."""
+    """nccl-tests' size: bytes of the large buffer (see `collectives.bench.payloads`)."""
     count: int
     dtype: str
     op: str
@@ -110,7 +110,9 @@ class _Buffers:
         self.src = make_input(spec.collective, self.op, rank, size, count, dtype)
         self.expected = expected_output(spec.collective, self.op, rank, size, count, dtype, spec.root)
         self.dst = np.zeros(output_count(spec.collective, count, size), dtype)
-        self.large = np.zeros(max(input_count(spec.collective, count, size), output_count(spec.collective, count, size)), dtype)
+        self.large = np.zeros(
+            max(input_count(spec.collective, count, size), output_count(spec.collective, count, size)), dtype
+        )
         block = count // size
         self.mine = slice(rank * block, (rank + 1) * block)
 

@@ -26,7 +26,7 @@ ends (SIGTERM and SIGHUP become SystemExit for that; while ranks run, the launch
 takes the signal, stops them and returns) and from atexit as a last resort.
 
 Without root, `ip` or `tc` (or grpcio), `resolve_arguments` says why in one line and runs the
-equivalent simulated cluster instead (`--backend simulated`, bench.simulated).
+equivalent simulated cluster instead (`--backend simulated`, collectives.bench.simulated).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Callable, Sequence
 
 from collectives.launch import grpc_rank_environments, run_ranks
 
@@ -81,7 +81,9 @@ class NetnsError(RuntimeError):
 def run_command(command: Sequence[str]) -> None:
     """Run `command`, bounded by COMMAND_TIMEOUT_SECONDS; raise `NetnsError` with its output on failure."""
     try:
-        finished = subprocess.run(list(command), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_SECONDS, stdin=subprocess.DEVNULL)
+        finished = subprocess.run(
+            list(command), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_SECONDS, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
         raise NetnsError(f"`{shlex.join(command)}` did not finish within {COMMAND_TIMEOUT_SECONDS:g} s") from None
     except OSError as error:
@@ -120,7 +122,9 @@ class EmulatedCluster:
     the `ip` / `tc` commands; tests pass a fake one to check cleanup without root.
     """
 
-    def __init__(self, nodes: int, inter_gbit: float, *, run: CommandRunner = run_command, pid: int | None = None) -> None:
+    def __init__(
+        self, nodes: int, inter_gbit: float, *, run: CommandRunner = run_command, pid: int | None = None
+    ) -> None:
         if not 2 <= nodes <= MAX_NODES:
             raise ValueError(f"emulated nodes: need 2 to {MAX_NODES} nodes, got {nodes}")
         if not inter_gbit > 0:
@@ -145,7 +149,9 @@ class EmulatedCluster:
             raise
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self._exit()
 
     def create(self) -> None:
@@ -157,7 +163,23 @@ class EmulatedCluster:
             port = f"p{node.index}"
             self._add_namespace(node.namespace)
             self._run(["ip", "-n", node.namespace, "link", "set", "lo", "up"])
-            self._run(["ip", "link", "add", "eth0", "netns", node.namespace, "type", "veth", "peer", "name", port, "netns", self.hub])
+            self._run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    "eth0",
+                    "netns",
+                    node.namespace,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    port,
+                    "netns",
+                    self.hub,
+                ]
+            )
             self._run(["ip", "-n", self.hub, "link", "set", port, "master", "br0"])
             self._run(["ip", "-n", self.hub, "link", "set", port, "up"])
             self._run(["ip", "-n", node.namespace, "addr", "add", f"{node.address}/{SUBNET.prefixlen}", "dev", "eth0"])
@@ -242,14 +264,21 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--emulate-nodes makes nodes of equal size: give one number of ranks per node")
     per_node = args.ranks_per_node[0] if args.ranks_per_node else (args.ranks // nodes if args.ranks else 2)
     if per_node < 1 or (args.ranks is not None and args.ranks != nodes * per_node):
-        raise UsageError(f"-n {args.ranks} does not make {nodes} nodes of {per_node} ranks (--emulate-nodes x --ranks-per-node)")
+        raise UsageError(
+            f"-n {args.ranks} does not make {nodes} nodes of {per_node} ranks (--emulate-nodes x --ranks-per-node)"
+        )
     reason = emulation_unavailable_reason()
     if reason is None:
-        return argparse.Namespace(**{**vars(args), "backend": "grpc", "ranks": nodes * per_node, "ranks_per_node": [per_node]})
-    from backends.simulated import Link
+        return argparse.Namespace(
+            **{**vars(args), "backend": "grpc", "ranks": nodes * per_node, "ranks_per_node": [per_node]}
+        )
+    from collectives.backends.simulated import Link
 
     bandwidth = args.inter_gbit * 1e9 / 8
-    print(f"python -m bench: {reason}; running the equivalent simulated cluster instead (--backend simulated)", file=sys.stderr)
+    print(
+        f"python -m bench: {reason}; running the equivalent simulated cluster instead (--backend simulated)",
+        file=sys.stderr,
+    )
     return argparse.Namespace(
         **{
             **vars(args),
@@ -271,9 +300,14 @@ def run_on_emulated_nodes(args: argparse.Namespace, argv: Sequence[str]) -> Swee
         with tempfile.TemporaryDirectory() as scratch, EmulatedCluster(args.emulate_nodes, args.inter_gbit) as cluster:
             print(cluster.describe(), flush=True)
             output_path = os.path.join(scratch, "result.json")
-            code = _start_ranks_on_nodes(cluster, args.ranks_per_node[0], [*argv, "--worker-output", output_path], args.emulate_timeout)
+            code = _start_ranks_on_nodes(
+                cluster, args.ranks_per_node[0], [*argv, "--worker-output", output_path], args.emulate_timeout
+            )
             if code != 0 or not os.path.exists(output_path):
-                print(f"python -m bench: the ranks on the emulated nodes stopped with exit code {code}, no results", file=sys.stderr)
+                print(
+                    f"python -m bench: the ranks on the emulated nodes stopped with exit code {code}, no results",
+                    file=sys.stderr,
+                )
                 return None
             with open(output_path) as stream:
                 return result_from_dict(json.load(stream))
@@ -282,11 +316,13 @@ def run_on_emulated_nodes(args: argparse.Namespace, argv: Sequence[str]) -> Swee
         return None
 
 
-def _start_ranks_on_nodes(cluster: EmulatedCluster, ranks_per_node: int, bench_arguments: Sequence[str], timeout: float) -> int:
+def _start_ranks_on_nodes(
+    cluster: EmulatedCluster, ranks_per_node: int, bench_arguments: Sequence[str], timeout: float
+) -> int:
     """Start every rank inside its node's namespace, as the launcher would on one machine."""
     placement = [(node, local) for node in cluster.nodes for local in range(ranks_per_node)]
     addresses = [f"{node.address}:{FIRST_PORT + local}" for node, local in placement]
-    command = [sys.executable, "-m", "bench", *bench_arguments]
+    command = [sys.executable, "-m", "collectives.bench", *bench_arguments]
     jobs = [
         (f"[{rank} {node.namespace}] ", cluster.exec_command(node, command), env)
         for rank, ((node, _), env) in enumerate(zip(placement, grpc_rank_environments(addresses)))

@@ -17,11 +17,12 @@ import os
 import platform
 import socket
 import sys
+from collections.abc import Mapping
 from importlib import metadata
-from typing import Any, Mapping
+from typing import Any
 
 from collectives import NATIVE
-from collectives.topology import LinkCosts
+from collectives.core.topology import LinkCosts
 
 from .measure import COPY_BOUND, IN_PLACE, OUT_OF_PLACE, Measurement, SweepResult
 
@@ -70,7 +71,9 @@ def format_explained(result: SweepResult) -> str:
     pick, and auto's row says how far it is from the fastest of its candidates measured at that
     size (not `native`, which auto does not choose from)."""
     rows = [r for r in result.rows if r.placement == OUT_OF_PLACE and r.algorithm != COPY_BOUND]
-    lines = [f"{'size':>12} {'algorithm':>18} {'measured(us)':>13} {'model(us)':>11} {'auto':>18} {'#wrong':>7}  vs fastest"]
+    lines = [
+        f"{'size':>12} {'algorithm':>18} {'measured(us)':>13} {'model(us)':>11} {'auto':>18} {'#wrong':>7}  vs fastest"
+    ]
     for row in rows:
         choice = result.choices.get(row.nbytes, "")
         predicted = result.predicted.get(row.nbytes, {}).get(row.algorithm)
@@ -108,7 +111,12 @@ def environment(backend: str) -> dict[str, Any]:
 
 
 def _record(row: Measurement, choices: Mapping[int, str]) -> dict[str, Any]:
-    return {**dataclasses.asdict(row), "algbw": row.algbw, "busbw": row.busbw, "auto_choice": choices.get(row.nbytes, "")}
+    return {
+        **dataclasses.asdict(row),
+        "algbw": row.algbw,
+        "busbw": row.busbw,
+        "auto_choice": choices.get(row.nbytes, ""),
+    }
 
 
 def write_csv(path: str, result: SweepResult) -> None:
@@ -125,7 +133,10 @@ def read_csv(path: str) -> list[Measurement]:
     types = {f.name: f.type for f in dataclasses.fields(Measurement)}
     casts = {"int": int, "float": float, "str": str}
     with open(path, newline="") as stream:
-        return [Measurement(**{k: casts[types[k]](v) for k, v in line.items() if k in types}) for line in csv.DictReader(stream)]
+        return [
+            Measurement(**{k: casts[types[k]](v) for k, v in line.items() if k in types})
+            for line in csv.DictReader(stream)
+        ]
 
 
 def write_json(path: str, result: SweepResult, parameters: Mapping[str, Any], backend: str) -> None:
@@ -181,4 +192,3 @@ def describe_link_costs(costs: LinkCosts) -> str:
         f"link costs ({source}): intra {costs.intra.alpha * 1e6:.0f} us {gbit(costs.intra.beta)}, "
         f"inter {costs.inter.alpha * 1e6:.0f} us {gbit(costs.inter.beta)}, NIC {gbit(costs.nic_beta)}"
     )
-

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collectives.ops import ReduceOp
+from collectives.core.ops import ReduceOp
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 REDUCING = ("allreduce", "reduce_scatter")
@@ -47,7 +47,9 @@ def make_input(collective: str, op: ReduceOp, rank: int, size: int, count: int, 
     return (_base(count) * (rank + 1)).astype(dtype)
 
 
-def expected_output(collective: str, op: ReduceOp, rank: int, size: int, count: int, dtype: np.dtype, root: int = 0) -> np.ndarray:
+def expected_output(
+    collective: str, op: ReduceOp, rank: int, size: int, count: int, dtype: np.dtype, root: int = 0
+) -> np.ndarray:
     """The exact result this rank must hold after the collective."""
     dtype = np.dtype(dtype)
     if collective == "broadcast":

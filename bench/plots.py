@@ -6,9 +6,10 @@ benchmark works without it (it comes with the `bench` extra), and plotting must 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from backends.errors import BackendUnavailableError
+from collectives.backends.errors import BackendUnavailableError
 
 from .measure import COPY_BOUND, OUT_OF_PLACE, SweepResult
 from .scaling import ScalingPoint
@@ -45,12 +46,23 @@ def plot_busbw(result: SweepResult, path: str, title: str) -> None:
     for algorithm in algorithms:
         line = sorted((r.nbytes, r.busbw / 1e9) for r in rows if r.algorithm == algorithm)
         style = dict(color="grey", linestyle="--") if algorithm == COPY_BOUND else dict(marker=".")
-        ax.plot([x for x, _ in line], [y for _, y in line], label=f"{algorithm} (ceiling)" if algorithm == COPY_BOUND else algorithm, **style)
+        ax.plot(
+            [x for x, _ in line],
+            [y for _, y in line],
+            label=f"{algorithm} (ceiling)" if algorithm == COPY_BOUND else algorithm,
+            **style,
+        )
     picks = [(r.nbytes, r.busbw / 1e9) for r in rows if result.choices.get(r.nbytes) == r.algorithm]
     if picks:
         ax.scatter(
-            [x for x, _ in picks], [y for _, y in picks], s=120, facecolors="none", edgecolors="black", linewidths=1.5,
-            label="auto's pick (model)", zorder=3,
+            [x for x, _ in picks],
+            [y for _, y in picks],
+            s=120,
+            facecolors="none",
+            edgecolors="black",
+            linewidths=1.5,
+            label="auto's pick (model)",
+            zorder=3,
         )
     sizes = sorted({r.nbytes for r in rows})
     ax.set_xscale("log", base=2)
@@ -82,8 +94,12 @@ def plot_scaling(points: Sequence[ScalingPoint], path: str, title: str, note: st
     fig, ax = plt.subplots(figsize=(13, 6))
     clusters = list(dict.fromkeys(p.cluster for p in points))
     styles = ["-", "--", ":", "-."]
-    for (cluster, algorithm, source) in dict.fromkeys((p.cluster, p.algorithm, p.source) for p in points):
-        curve = sorted((p.ranks, p.efficiency * 100) for p in points if (p.cluster, p.algorithm, p.source) == (cluster, algorithm, source))
+    for cluster, algorithm, source in dict.fromkeys((p.cluster, p.algorithm, p.source) for p in points):
+        curve = sorted(
+            (p.ranks, p.efficiency * 100)
+            for p in points
+            if (p.cluster, p.algorithm, p.source) == (cluster, algorithm, source)
+        )
         label = f"{algorithm}: {cluster}" + ("" if source == "model" else f" [{source}]")
         color = _COLORS.get(algorithm, "black")
         style = styles[clusters.index(cluster) % len(styles)]
@@ -92,7 +108,15 @@ def plot_scaling(points: Sequence[ScalingPoint], path: str, title: str, note: st
         elif source == "model":
             ax.plot(*zip(*curve), color=color, linestyle=style, label=label, linewidth=1.6, zorder=2)
         else:
-            ax.scatter(*zip(*curve), color=color, marker=_MARKERS.get(source, "o"), facecolors="none" if source == "simulated" else color, s=60, label=label, zorder=3)
+            ax.scatter(
+                *zip(*curve),
+                color=color,
+                marker=_MARKERS.get(source, "o"),
+                facecolors="none" if source == "simulated" else color,
+                s=60,
+                label=label,
+                zorder=3,
+            )
     ranks = sorted({p.ranks for p in points})
     ax.set_xscale("log", base=2)
     ax.set_xticks(ranks)

@@ -42,7 +42,7 @@ class ProgressBar:
             self.stream.write("\r" + " " * 100 + "\r")
             self.stream.flush()
 
-    def __enter__(self) -> "ProgressBar":
+    def __enter__(self) -> ProgressBar:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

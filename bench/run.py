@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from collectives import Communicator, run_threads
 
@@ -23,7 +23,9 @@ from .output import describe_link_costs, result_from_dict, to_dict
 from .progress import ProgressBar
 
 
-def rank_sweep(spec: SweepSpec, *, tune: bool = False, probe: bool = False, progress: bool | None = None) -> Callable[[Communicator], SweepResult]:
+def rank_sweep(
+    spec: SweepSpec, *, tune: bool = False, probe: bool = False, progress: bool | None = None
+) -> Callable[[Communicator], SweepResult]:
     """What each rank runs: optional probe/tune, the measurement, then auto's choices.
 
     `progress`: draw a bar on rank 0's stderr (None: only if stderr is a terminal).
@@ -49,7 +51,9 @@ def rank_sweep(spec: SweepSpec, *, tune: bool = False, probe: bool = False, prog
     return sweep
 
 
-def on_threads(sweep: Callable[[Communicator], SweepResult], ranks: int, ranks_per_node: int | Sequence[int] | None) -> SweepResult:
+def on_threads(
+    sweep: Callable[[Communicator], SweepResult], ranks: int, ranks_per_node: int | Sequence[int] | None
+) -> SweepResult:
     """Run `sweep` on `ranks` thread ranks of this process."""
     return run_threads(sweep, ranks, ranks_per_node=ranks_per_node)[0]
 
@@ -77,7 +81,7 @@ def in_processes(backend: str, ranks: int, ranks_per_node: int | None, argv: Seq
         command = [sys.executable, "-m", "collectives.launch", "-n", str(ranks), "--backend", backend]
         if ranks_per_node:
             command += ["--ranks-per-node", str(ranks_per_node)]
-        command += ["-m", "bench", *argv, "--worker-output", output_path]
+        command += ["-m", "collectives.bench", *argv, "--worker-output", output_path]
         finished = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if finished.returncode != 0 or not os.path.exists(output_path):
             print(f"the {backend} ranks failed (exit code {finished.returncode}):\n{finished.stdout}", file=sys.stderr)

@@ -18,8 +18,8 @@ Communication hides behind backprop as long as it keeps up; what runs past the e
 exposed. efficiency = T / (T + exposed). The last bucket is ready only at T, so its all-reduce is
 always exposed: that is what keeps even a fast cluster below 100%.
 
-All-reduce times come from the cost model (`collectives.costmodel`, any rank count, microseconds
-to compute) or from the simulated backend (`collectives.simulation`, the real algorithm code on a
+All-reduce times come from the cost model (`collectives.selection.costmodel`, any rank count, microseconds
+to compute) or from the simulated backend (`collectives.selection.simulation`, the real algorithm code on a
 virtual clock, 12-20 us of real time per message, the runs spread over the machine's CPUs: a 25 MiB
 flat ring all-reduce sends 2p(p-1) messages, about a quarter of a second at 128 ranks and under a
 minute at 1024), and
@@ -29,15 +29,15 @@ probes measure on it: the simulator's probes recover them to 0.02%).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
-from backends.simulated import Cluster, Link
-from collectives.costmodel import predict
-from collectives.layout import DEFAULT_SEGMENT_BYTES
-from collectives.selector import Selector
-from collectives.simulation import simulated_times
-from collectives.topology import LinkCost, LinkCosts, Topology
+from collectives.backends.simulated import Cluster, Link
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES
+from collectives.core.topology import LinkCost, LinkCosts, Topology
+from collectives.selection.costmodel import predict
+from collectives.selection.selector import Selector
+from collectives.selection.simulation import simulated_times
 
 from .measure import OUT_OF_PLACE, SweepSpec
 from .run import on_threads, rank_sweep
@@ -111,7 +111,9 @@ class ClusterKind:
     def cluster(self, ranks: int) -> Cluster:
         if ranks % self.ranks_per_node:
             raise ValueError(f"{ranks} ranks do not fill nodes of {self.ranks_per_node}")
-        return Cluster(ranks // self.ranks_per_node, self.ranks_per_node, self.intra, self.inter, self.nic_bandwidth, self.gamma)
+        return Cluster(
+            ranks // self.ranks_per_node, self.ranks_per_node, self.intra, self.inter, self.nic_bandwidth, self.gamma
+        )
 
     def link_costs(self) -> LinkCosts:
         """The cost model's parameters for these links: what `comm.probe()` would measure."""
@@ -182,7 +184,11 @@ def scaling_curve(
     from the simulated backend (its runs spread over this machine's CPUs)."""
     sizes = sorted(set(model.buckets()))
     counts = [ranks for ranks in rank_counts if ranks % kind.ranks_per_node == 0]
-    runs = {(ranks, size): (kind.cluster(ranks), resolve(kind, ranks, algorithm, size), size) for ranks in counts for size in sizes}
+    runs = {
+        (ranks, size): (kind.cluster(ranks), resolve(kind, ranks, algorithm, size), size)
+        for ranks in counts
+        for size in sizes
+    }
     if simulated:
         simulated_seconds = simulated_times(runs.values())
         seconds = {key: simulated_seconds[run] for key, run in runs.items()}
@@ -204,7 +210,9 @@ def scaling_curve(
     ]
 
 
-def measured_curve(rank_counts: Iterable[int], model: TrainingModel, ranks_per_node: int = 2, iterations: int = 3) -> list[ScalingPoint]:
+def measured_curve(
+    rank_counts: Iterable[int], model: TrainingModel, ranks_per_node: int = 2, iterations: int = 3
+) -> list[ScalingPoint]:
     """Efficiency from all-reduce times measured on thread ranks of this machine.
 
     The same step model, fed with real (median, slowest-rank) bucket all-reduce times instead of
@@ -222,8 +230,12 @@ def measured_curve(rank_counts: Iterable[int], model: TrainingModel, ranks_per_n
             choices = tuple(result.choices[size] for size in sizes) if algorithm == "auto" else ()
             points.append(
                 ScalingPoint(
-                    f"threads backend on this machine, {ranks_per_node} ranks/node", algorithm, ranks,
-                    model.efficiency(times.__getitem__), "measured", choices,
+                    f"threads backend on this machine, {ranks_per_node} ranks/node",
+                    algorithm,
+                    ranks,
+                    model.efficiency(times.__getitem__),
+                    "measured",
+                    choices,
                 )
             )
     return points

@@ -9,10 +9,10 @@ how much slower the chosen algorithm is than the fastest one at that size.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from backends.simulated import Cluster, Link
-from collectives.simulation import RegretCell, regret_grid
+from collectives.backends.simulated import Cluster, Link
+from collectives.selection.simulation import RegretCell, regret_grid
 
 GRID_INTRA = Link(alpha=1e-6, bandwidth=50e9)
 GRID_GAMMA = 1 / 20e9
@@ -35,7 +35,11 @@ def grid_cluster(nodes: int, per_node: int, ratio: int) -> Cluster:
 def grid_clusters() -> list[tuple[int, Cluster]]:
     """(ratio, cluster) of every cluster of the grid; one node has no inter-node link, so it is
     listed once."""
-    return [(ratio, grid_cluster(n, l, ratio)) for n, l in GRID_SHAPES for ratio in (GRID_RATIOS if n > 1 else GRID_RATIOS[:1])]
+    return [
+        (ratio, grid_cluster(n, per_node, ratio))
+        for n, per_node in GRID_SHAPES
+        for ratio in (GRID_RATIOS if n > 1 else GRID_RATIOS[:1])
+    ]
 
 
 def regret_table(cells: Sequence[RegretCell]) -> str:
@@ -61,7 +65,9 @@ def grid_summary(cells: Sequence[RegretCell]) -> str:
     """For each cluster of the grid: the largest regret over the sizes, the closest call (how much
     slower the runner-up was than the fastest, at the size where that was least) and what auto
     picked."""
-    lines = [f"{'cluster':>8} {'inter slower':>12} {'max regret':>11} {'closest call':>13}  auto's picks, smallest size first"]
+    lines = [
+        f"{'cluster':>8} {'inter slower':>12} {'max regret':>11} {'closest call':>13}  auto's picks, smallest size first"
+    ]
     for ratio, cluster in grid_clusters():
         mine = [c for c in cells if c.cluster == cluster]
         picks: list[list] = []

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from backends.simulated import Cluster, Link
 from collectives import Communicator, run_threads
-from collectives.simulation import simulate_allreduce
+from collectives.backends.simulated import Cluster, Link
+from collectives.selection.simulation import simulate_allreduce
 
 RANKS = 4
 RANKS_PER_NODE = 2
@@ -106,7 +106,9 @@ def _simulated_cluster(nodes: int) -> Cluster:
 
 
 @pytest.mark.parametrize(
-    ("nodes", "driver"), [(8, "threads"), (8, "one thread"), (32, "one thread")], ids=["64-threads", "64-one-thread", "256-one-thread"]
+    ("nodes", "driver"),
+    [(8, "threads"), (8, "one thread"), (32, "one thread")],
+    ids=["64-threads", "64-one-thread", "256-one-thread"],
 )
 @pytest.mark.parametrize("algorithm", ("ring", "tree", "hierarchical"))
 def test_simulator(benchmark, algorithm: str, nodes: int, driver: str) -> None:
@@ -114,6 +116,10 @@ def test_simulator(benchmark, algorithm: str, nodes: int, driver: str) -> None:
     benchmark.group = f"simulated 256 MiB {algorithm} all-reduce, {cluster.size} ranks (real seconds)"
     benchmark.extra_info.update(ranks=cluster.size, driver=driver)
     run = benchmark.pedantic(
-        simulate_allreduce, args=(cluster, algorithm, 256 << 20), kwargs={"threaded": driver == "threads"}, rounds=3, iterations=1
+        simulate_allreduce,
+        args=(cluster, algorithm, 256 << 20),
+        kwargs={"threaded": driver == "threads"},
+        rounds=3,
+        iterations=1,
     )
     assert run.messages > 0

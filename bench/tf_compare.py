@@ -1,4 +1,4 @@
-"""`python -m bench.tf_compare`: our TF all-reduce and training step vs MultiWorkerMirroredStrategy.
+"""`python -m collectives.bench.tf_compare`: our TF all-reduce and training step vs MultiWorkerMirroredStrategy.
 
 Three groups of 2 processes each run on this machine, one group at a time:
 
@@ -11,8 +11,8 @@ Three groups of 2 processes each run on this machine, one group at a time:
 Each group times the all-reduce of a float32 tensor at every size (each iteration right after a
 barrier, the slowest rank's time, median over iterations) and the training step of the example
 model (examples/train_keras.py's `build_model`, the same per-rank batch everywhere). The worker
-code is in `bench.tf_workers`. Process groups cannot be interleaved iteration by iteration the way
-`bench.measure` interleaves algorithms, so the groups run alternately for `--rounds` rounds and
+code is in `collectives.bench.tf_workers`. Process groups cannot be interleaved iteration by iteration the way
+`collectives.bench.measure` interleaves algorithms, so the groups run alternately for `--rounds` rounds and
 every figure is the median over rounds of the per-round medians: a burst of noise on this shared
 machine then hits one round of one group, not one side of the comparison.
 
@@ -21,7 +21,7 @@ It prints three tables and the issue's targets, each "met" or "MISSED" with its 
 * all-reduce: MWMS, ours over MPI and gRPC (eager and in a `tf.function`), the eager speedups and
   the algorithm our selector chose;
 * where our time goes: the communicator on numpy arrays (auto, and MPI's native all-reduce) next
-  to `strategies.allreduce` on a tensor, measured alternately in the same processes;
+  to `collectives.strategies.allreduce` on a tensor, measured alternately in the same processes;
 * training step: MWMS and ours (eager, `tf.function`), the same step with a plain tape and no
   communication, the difference (communication left exposed), the timeline's hidden fraction, and
   whether the ranks ended with identical weights.
@@ -29,9 +29,9 @@ It prints three tables and the issue's targets, each "met" or "MISSED" with its 
 Every group runs under a timeout; on timeout or failure only the processes this module started
 are stopped: the launcher (by its process group) and each rank (by the pid it wrote at start-up).
 
-    python -m bench.tf_compare                                  # 4 KiB .. 16 MiB, 3 rounds
-    python -m bench.tf_compare --sizes 4K,16M --repeats 50 --json figures.json
-    python -m bench.tf_compare --groups mpi --bucket-kib 16     # smaller gradient buckets
+    python -m collectives.bench.tf_compare                                  # 4 KiB .. 16 MiB, 3 rounds
+    python -m collectives.bench.tf_compare --sizes 4K,16M --repeats 50 --json figures.json
+    python -m collectives.bench.tf_compare --groups mpi --bucket-kib 16     # smaller gradient buckets
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from collectives.launch import free_loopback_ports
 
@@ -234,7 +234,7 @@ def allreduce_table(results: Mapping[str, GroupSummary], sizes: Sequence[int]) -
 
 def breakdown_table(results: Mapping[str, GroupSummary], sizes: Sequence[int]) -> str:
     """Where our time goes: the communicator on numpy arrays (auto, MPI's native) next to
-    `strategies.allreduce` on a tensor; the difference is what the TensorFlow layer costs."""
+    `collectives.strategies.allreduce` on a tensor; the difference is what the TensorFlow layer costs."""
     columns = [
         ("size", 8),
         ("backend", 7),
@@ -267,7 +267,15 @@ def train_table(results: Mapping[str, GroupSummary]) -> str:
     """One row per (group, variant): step time, speedup over MWMS, the same step with no
     communication (a plain tf.GradientTape, both ranks training at once), the difference (the
     communication left exposed), the timeline's hidden fraction and whether the ranks agree."""
-    columns = [("run", 22), ("step", 9), ("vs MWMS", 7), ("no-comm step", 12), ("exposed", 9), ("hidden", 6), ("in sync", 7)]
+    columns = [
+        ("run", 22),
+        ("step", 9),
+        ("vs MWMS", 7),
+        ("no-comm step", 12),
+        ("exposed", 9),
+        ("hidden", 6),
+        ("in sync", 7),
+    ]
     lines = [_row([name for name, _ in columns], columns), _rule(columns)]
     base = results["mwms"].train.get("function") if "mwms" in results else None
     labels = {"mwms": "MWMS", "mpi": "ours MPI", "grpc": "ours gRPC"}
@@ -304,7 +312,9 @@ def targets(results: Mapping[str, GroupSummary], sizes: Sequence[int]) -> list[s
     for nbytes in (4096, 16 << 20):
         base, mpi = _figure(results, "mwms", "function", nbytes), _figure(results, "mpi", "eager", nbytes)
         if nbytes in sizes and base is not None and mpi is not None:
-            lines.append(f"{verdict(base >= 5 * mpi)} MPI all-reduce >= 5x MWMS at {format_size(nbytes)}: {base / mpi:.1f}x")
+            lines.append(
+                f"{verdict(base >= 5 * mpi)} MPI all-reduce >= 5x MWMS at {format_size(nbytes)}: {base / mpi:.1f}x"
+            )
     mpi_small = _figure(results, "mpi", "eager", 4096)
     if 4096 in sizes and mpi_small is not None:
         lines.append(f"{verdict(mpi_small < 0.5e-3)} MPI all-reduce < 0.5 ms at 4 KiB: {format_time(mpi_small)}")
@@ -349,7 +359,15 @@ def _rule(columns: Sequence[tuple[str, int]]) -> str:
 
 def worker_command(group: str, config: WorkerConfig, out: Path) -> list[str]:
     """The command line of one rank (mwms) or of the whole group (launcher for mpi and grpc)."""
-    worker = ["-m", "bench.tf_workers", "mwms" if group == "mwms" else "ours", "--config", config.to_json(), "--out", str(out)]
+    worker = [
+        "-m",
+        "collectives.bench.tf_workers",
+        "mwms" if group == "mwms" else "ours",
+        "--config",
+        config.to_json(),
+        "--out",
+        str(out),
+    ]
     if group == "mwms":
         return [sys.executable, *worker]
     launch = [sys.executable, "-m", "collectives.launch", "-n", str(WORLD_SIZE), "--backend", group, "-m"]
@@ -478,7 +496,9 @@ def _tails(logs: Sequence[Path]) -> str:
     return "\n".join(parts)
 
 
-def run_rounds(groups: Sequence[str], config: WorkerConfig, rounds: int, timeout: float) -> list[dict[str, GroupSummary]]:
+def run_rounds(
+    groups: Sequence[str], config: WorkerConfig, rounds: int, timeout: float
+) -> list[dict[str, GroupSummary]]:
     """`rounds` rounds, each running every group once in turn; a failed group is recorded, not fatal."""
     history = []
     for index in range(rounds):
@@ -490,7 +510,11 @@ def run_rounds(groups: Sequence[str], config: WorkerConfig, rounds: int, timeout
             except GroupFailed as error:
                 round_results[group] = GroupSummary(group=group, error=str(error))
                 print(f"round {index + 1}: {error}", file=sys.stderr, flush=True)
-            print(f"round {index + 1}/{rounds}: {group} done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"round {index + 1}/{rounds}: {group} done in {time.monotonic() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         history.append(round_results)
     return history
 
@@ -502,11 +526,20 @@ def report(results: Mapping[str, GroupSummary], sizes: Sequence[int], config: Wo
         f"of the slowest rank, then median over {rounds} round(s); per-rank batch {config.batch}; "
         f"gradient buckets {'default' if config.bucket_bytes is None else format_size(config.bucket_bytes)}"
     )
-    parts = [header, "", "All-reduce of a TF tensor (speedups: MWMS time / ours, eager)", allreduce_table(results, sizes)]
+    parts = [
+        header,
+        "",
+        "All-reduce of a TF tensor (speedups: MWMS time / ours, eager)",
+        allreduce_table(results, sizes),
+    ]
     if any(group in results for group in ("mpi", "grpc")):
-        title = "Our all-reduce: communicator on numpy vs strategies.allreduce on a tensor"
+        title = "Our all-reduce: communicator on numpy vs collectives.strategies.allreduce on a tensor"
         parts += ["", title, breakdown_table(results, sizes)]
-    parts += ["", f"Training step of examples/train_keras.py's model (batch {config.batch} per rank)", train_table(results)]
+    parts += [
+        "",
+        f"Training step of examples/train_keras.py's model (batch {config.batch} per rank)",
+        train_table(results),
+    ]
     checks = [f"{group}: {summary.wrong} wrong elements" for group, summary in results.items() if summary.error is None]
     failed = [f"{group}: FAILED in every round" for group, summary in results.items() if summary.error is not None]
     parts += ["", "Checks: " + "; ".join(checks + failed), "", "Targets:", *targets(results, sizes)]
@@ -514,15 +547,21 @@ def report(results: Mapping[str, GroupSummary], sizes: Sequence[int], config: Wo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.tf_compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m collectives.bench.tf_compare", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES), help=f"bytes, comma-separated (default {DEFAULT_SIZES})"
+        "--sizes",
+        type=parse_sizes,
+        default=parse_sizes(DEFAULT_SIZES),
+        help=f"bytes, comma-separated (default {DEFAULT_SIZES})",
     )
     parser.add_argument("--repeats", type=int, default=20, help="timed iterations per size and per training variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations before each series")
     parser.add_argument("--batch", type=int, default=64, help="per-rank training batch (the example's default)")
     parser.add_argument(
-        "--bucket-kib", type=int, default=None, help="DistributedGradientTape bucket size in KiB (default: the library's)"
+        "--bucket-kib",
+        type=int,
+        default=None,
+        help="DistributedGradientTape bucket size in KiB (default: the library's)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="times every group runs, alternating")
     parser.add_argument("--groups", type=parse_groups, default=GROUPS, help="some of mwms,mpi,grpc (default all)")
@@ -535,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("repeats", "rounds", "batch", "bucket_kib"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            print(f"bench.tf_compare: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            print(f"collectives.bench.tf_compare: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
     bucket_bytes = None if args.bucket_kib is None else args.bucket_kib << 10
     config = WorkerConfig(

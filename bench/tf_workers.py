@@ -1,7 +1,7 @@
-"""The per-process side of `python -m bench.tf_compare`: one rank of one group, timing TF code.
+"""The per-process side of `python -m collectives.bench.tf_compare`: one rank of one group, timing TF code.
 
-`python -m bench.tf_workers mwms|ours --config JSON --out DIR` runs on every rank of a group that
-`bench.tf_compare` started; each rank writes `DIR/rank<r>.json` (and `DIR/pid<r>`, first thing,
+`python -m collectives.bench.tf_workers mwms|ours --config JSON --out DIR` runs on every rank of a group that
+`collectives.bench.tf_compare` started; each rank writes `DIR/rank<r>.json` (and `DIR/pid<r>`, first thing,
 so the parent can stop it by pid even when it was started through mpiexec or the launcher, whose
 ranks live in their own process groups). The parent, not rank 0, takes the slowest rank of every
 iteration: each timed all-reduce starts right after a barrier, so iteration i means the same
@@ -16,7 +16,7 @@ the variants they compare within the process (`interleaved`), so noise hits them
   the training step is the usual custom loop, `strategy.run` of a step that computes the loss
   scaled to the global batch and calls `optimizer.apply_gradients` (which all-reduces), inside a
   `tf.function`.
-* `ours`: `collectives.init()` (MPI or gRPC, whichever started the group), `strategies.allreduce`
+* `ours`: `collectives.init()` (MPI or gRPC, whichever started the group), `collectives.strategies.allreduce`
   on the same tensors eagerly and inside a `tf.function`, alternating with the communicator's own
   `allreduce` on numpy arrays (and MPI's native one), `comm.barrier()` between iterations; the
   example's training step with `DistributedGradientTape`, eager and inside a `tf.function`, and
@@ -36,16 +36,17 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 
-from collectives.ops import ReduceOp
+from collectives.core.ops import ReduceOp
 
 from .payloads import expected_output, make_input
 
@@ -75,7 +76,7 @@ class WorkerConfig:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "WorkerConfig":
+    def from_json(cls, text: str) -> WorkerConfig:
         data = json.loads(text)
         return cls(**{**data, "sizes": tuple(data["sizes"])})
 
@@ -90,7 +91,7 @@ class RankResult:
     backend: str
     allreduce: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """Variant -> payload bytes (a string: JSON keys) -> iteration times. MWMS has "function"; ours
-    "eager", "function" (`strategies.allreduce`), "numpy" and "numpy-native" (the communicator)."""
+    "eager", "function" (`collectives.strategies.allreduce`), "numpy" and "numpy-native" (the communicator)."""
     wrong: dict[str, int] = field(default_factory=dict)
     """Variant -> elements that differed from the exact sum, over all sizes."""
     train: dict[str, list[float]] = field(default_factory=dict)
@@ -100,7 +101,7 @@ class RankResult:
     checksum: dict[str, float] = field(default_factory=dict)
     """Variant -> sum of |weights| after training: equal on every rank iff gradients were shared."""
     algorithms: dict[str, str] = field(default_factory=dict)
-    """Payload bytes -> the algorithm our communicator chose for `strategies.allreduce` (ours only)."""
+    """Payload bytes -> the algorithm our communicator chose for `collectives.strategies.allreduce` (ours only)."""
 
 
 def load_example() -> ModuleType:
@@ -188,7 +189,9 @@ def run_mwms(config: WorkerConfig) -> RankResult:
         count = nbytes // 4
         tensor = tf.constant(make_input("allreduce", ReduceOp.SUM, rank, world, count, np.dtype(np.float32)))
         times[str(nbytes)] = interleaved({"": lambda: allreduce(tensor)}, barrier, config.warmup, config.repeats)[""]
-        wrong += count_wrong(allreduce(tensor), expected_output("allreduce", ReduceOp.SUM, rank, world, count, np.dtype(np.float32)))
+        wrong += count_wrong(
+            allreduce(tensor), expected_output("allreduce", ReduceOp.SUM, rank, world, count, np.dtype(np.float32))
+        )
     result.allreduce["function"] = times
     result.wrong["function"] = wrong
 
@@ -225,7 +228,7 @@ def run_ours(config: WorkerConfig, out: Path) -> RankResult:
     import tensorflow as tf
 
     import collectives
-    import strategies
+    from collectives import strategies
     from collectives.bootstrap import detect_backend
 
     comm = collectives.init()
@@ -274,7 +277,9 @@ def run_ours(config: WorkerConfig, out: Path) -> RankResult:
         traced_step, _, wrapper = train_step_for(example, graph=graph, config=config, distributed=True, timeline=trace)
         interleaved({variant: lambda: traced_step(x, y)}, comm.barrier, config.warmup, config.repeats)
         events = wrapper.aggregator.timeline.events
-        result.hidden[variant] = strategies.hidden_fraction([e for e in events if e["args"].get("step", 0) > config.warmup])
+        result.hidden[variant] = strategies.hidden_fraction(
+            [e for e in events if e["args"].get("step", 0) > config.warmup]
+        )
     comm.close()
     return result
 
@@ -294,7 +299,7 @@ def train_step_for(
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     wrapper = None
     if distributed:
-        import strategies
+        from collectives import strategies
 
         strategies.broadcast_variables(model.variables, root=0)
         buckets = {} if config.bucket_bytes is None else {"bucket_bytes": config.bucket_bytes}
@@ -312,7 +317,7 @@ def train_step_for(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tf_workers", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m collectives.bench.tf_workers", description=__doc__.splitlines()[0])
     parser.add_argument("side", choices=("mwms", "ours"))
     parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
     parser.add_argument("--out", required=True, type=Path, help="folder for rank<r>.json and pid<r>")

@@ -17,7 +17,8 @@ Importing this package needs only numpy (and numba, used lazily for float16 kern
 backends are imported when asked for.
 """
 
-from backends.errors import (
+from collectives._version import __version__
+from collectives.backends.errors import (
     BackendUnavailableError,
     CollectiveError,
     CollectiveTimeoutError,
@@ -25,13 +26,11 @@ from backends.errors import (
     MismatchError,
     PeerLostError,
 )
-
-from ._version import __version__
-from .bootstrap import default_communicator, init
-from .communicator import ALLREDUCE_ALGORITHMS, DEFAULT_TIMEOUT, NATIVE, Communicator, Work
-from .ops import REDUCTION_DTYPES, ReduceOp
-from .runner import run_threads
-from .topology import Topology
+from collectives.bootstrap import default_communicator, init
+from collectives.communicator import ALLREDUCE_ALGORITHMS, DEFAULT_TIMEOUT, NATIVE, Communicator, Work
+from collectives.core.ops import REDUCTION_DTYPES, ReduceOp
+from collectives.core.topology import Topology
+from collectives.runner import run_threads
 
 __all__ = [
     "ALLREDUCE_ALGORITHMS",

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
-from backends.base import Transport, emulated_host
-
-from .communicator import DEFAULT_TIMEOUT, Communicator
-from .layout import DEFAULT_SEGMENT_BYTES
+from collectives.backends.base import Transport, emulated_host
+from collectives.communicator import DEFAULT_TIMEOUT, Communicator
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,11 @@ def init(
         log.info("collectives: no MPI launch, TF_CONFIG or launcher found; running as a single rank")
     log.info(
         "collectives: rank %d of %d on %s (backend %s, %d node(s))",
-        comm.rank, comm.size, transport.host, chosen or "threads", comm.topology.num_nodes,
+        comm.rank,
+        comm.size,
+        transport.host,
+        chosen or "threads",
+        comm.topology.num_nodes,
     )
     _default = comm
     return comm
@@ -97,14 +100,14 @@ def default_communicator() -> Communicator:
 
 def _make_transport(backend: str | None, timeout: float) -> Transport:
     if backend == "mpi":
-        from backends.mpi import MPITransport
+        from collectives.backends.mpi import MPITransport
 
         return MPITransport.from_environment()
     if backend == "grpc":
-        from backends.grpc import GrpcTransport
+        from collectives.backends.grpc import GrpcTransport
 
         return GrpcTransport.from_environment(startup_timeout=timeout)
-    from backends.threads import ThreadFabric
+    from collectives.backends.threads import ThreadFabric
 
     return ThreadFabric(["localhost"]).endpoint(0)
 

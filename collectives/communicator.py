@@ -28,26 +28,26 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from backends.base import Transport
-from backends.errors import CollectiveTimeoutError, CommunicatorBrokenError
-
-from ._version import __version__
-from .allreduce import ALLREDUCE_ALGORITHMS, run_allreduce
-from .barrier import dissemination_barrier
-from .group import SUBTAGS_PER_COLLECTIVE, Group
-from .layout import DEFAULT_SEGMENT_BYTES, even_bounds
-from .ops import ReduceOp, check_reduction, finalize
-from .probe import probe_links
-from .ring import ring_allgather, ring_reduce_scatter
-from .selector import Explanation, Selector, Tuning
-from .topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
-from .tree import tree_broadcast
-from .tuning import TUNE_SIZES, cache_file, decode, default_cache_dir, encode, measure
+from collectives._version import __version__
+from collectives.algorithms.allreduce import ALLREDUCE_ALGORITHMS, run_allreduce
+from collectives.algorithms.barrier import dissemination_barrier
+from collectives.algorithms.ring import ring_allgather, ring_reduce_scatter
+from collectives.algorithms.tree import tree_broadcast
+from collectives.backends.base import Transport
+from collectives.backends.errors import CollectiveTimeoutError, CommunicatorBrokenError
+from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
+from collectives.core.ops import ReduceOp, check_reduction, finalize
+from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
+from collectives.selection.probe import probe_links
+from collectives.selection.selector import Explanation, Selector, Tuning
+from collectives.selection.tuning import TUNE_SIZES, cache_file, decode, default_cache_dir, encode, measure
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +140,7 @@ class Communicator:
         self._autotune_pending = autotune
         self._work_space = np.empty(0, dtype=np.uint8)
         """Scratch kept between collectives (see `_reusable_work_space`)."""
-        self._thread = threading.Thread(
-            target=self._serve, name=f"collectives-rank{self.rank}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, name=f"collectives-rank{self.rank}", daemon=True)
         self._thread.start()
 
     # -- identity ---------------------------------------------------------------------------------
@@ -201,7 +199,9 @@ class Communicator:
 
     # -- collectives ------------------------------------------------------------------------------
 
-    def allreduce(self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None) -> np.ndarray:
+    def allreduce(
+        self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Reduce `x` elementwise over all ranks; every rank gets the identical result.
 
         Args:
@@ -217,7 +217,9 @@ class Communicator:
             work = self.allreduce_async(x, op, algorithm, out)
         return work.wait()
 
-    def allreduce_async(self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None) -> Work:
+    def allreduce_async(
+        self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None
+    ) -> Work:
         """Start `allreduce`; returns a `Work` whose result is the reduced array."""
         op = ReduceOp.parse(op)
         src = _as_array(x)
@@ -237,12 +239,17 @@ class Communicator:
             if chosen == NATIVE:
                 native_op = "sum" if op is ReduceOp.MEAN else op.value
                 try:
-                    self._transport.native_allreduce(flat, target, native_op, timeout=max(group.deadline - time.monotonic(), 0.0))
+                    self._transport.native_allreduce(
+                        flat, target, native_op, timeout=max(group.deadline - time.monotonic(), 0.0)
+                    )
                 except TimeoutError:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: native all-reduce did not complete within {self.timeout:g} s "
                         f"({group.header.decode(errors='replace')}); a rank never arrived, or is stuck or dead",
-                        rank=self.rank, peer=-1, tag=group.tag, seconds=self.timeout,
+                        rank=self.rank,
+                        peer=-1,
+                        tag=group.tag,
+                        seconds=self.timeout,
                     ) from None
                 finalize(op, target, self.size)
             else:
@@ -389,7 +396,7 @@ class Communicator:
         use_cache: bool = True,
     ) -> Tuning:
         """Probe, then time every candidate at `sizes` and correct the model with the
-        measured/predicted ratios (a collective; see `collectives.tuning`).
+        measured/predicted ratios (a collective; see `collectives.selection.tuning`).
 
         The result is saved under `cache_dir` (default `$COLLECTIVES_TUNING_DIR` or
         ~/.cache/collectives) keyed by the topology's fingerprint, and reused from there by later
@@ -397,7 +404,9 @@ class Communicator:
         """
         if self.size == 1:
             return Tuning(())
-        fingerprint = self.topology.fingerprint(f"{type(self._transport).__name__}|segment={self.segment_bytes}|{__version__}")
+        fingerprint = self.topology.fingerprint(
+            f"{type(self._transport).__name__}|segment={self.segment_bytes}|{__version__}"
+        )
         path = cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint)
         if use_cache and (cached := self._read_shared(path, fingerprint)) is not None:
             costs, tuning = cached
@@ -412,7 +421,7 @@ class Communicator:
         self._selector = Selector(self.topology, costs, self.segment_bytes, tuning)
         return tuning
 
-    def _read_shared(self, path: "os.PathLike", fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
+    def _read_shared(self, path: os.PathLike, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
         """Rank 0's copy of a tuning file, broadcast so that every rank decodes the same bytes."""
         data = b""
         if self.rank == 0:
@@ -439,7 +448,7 @@ class Communicator:
         self._work_space = np.empty(0, dtype=np.uint8)
         self._transport.close()
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -562,7 +571,9 @@ class Communicator:
         if len(record) > _HOST_RECORD_BYTES:
             record = hashlib.blake2b(record, digest_size=_HOST_RECORD_BYTES // 4).hexdigest().encode()
         table = np.zeros(self.size * _HOST_RECORD_BYTES, dtype=np.uint8)
-        table[self.rank * _HOST_RECORD_BYTES : self.rank * _HOST_RECORD_BYTES + len(record)] = np.frombuffer(record, np.uint8)
+        table[self.rank * _HOST_RECORD_BYTES : self.rank * _HOST_RECORD_BYTES + len(record)] = np.frombuffer(
+            record, np.uint8
+        )
         if self.size > 1:
             header = f"communicator setup (collectives {__version__})".encode()
             group = self._group(0, header)
@@ -600,7 +611,9 @@ def _output(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> 
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
     if out.shape != tuple(shape) or out.dtype != dtype:
-        raise ValueError(f"out must have shape {tuple(shape)} and dtype {dtype}, got shape {out.shape} and dtype {out.dtype}")
+        raise ValueError(
+            f"out must have shape {tuple(shape)} and dtype {dtype}, got shape {out.shape} and dtype {out.dtype}"
+        )
     if not out.flags.writeable:
         raise ValueError("out is read-only")
     if out.flags.c_contiguous:
@@ -622,7 +635,9 @@ def _copy_back(result: np.ndarray, target: np.ndarray, source: np.ndarray | None
     return result
 
 
-def _header(collective: str, src: np.ndarray, *, algorithm: str, op: str | None = None, root: int | None = None) -> bytes:
+def _header(
+    collective: str, src: np.ndarray, *, algorithm: str, op: str | None = None, root: int | None = None
+) -> bytes:
     """What every message of this collective carries; ranks must agree on all of it."""
     words = [collective, f"algorithm={algorithm}", f"dtype={src.dtype}", f"shape={src.shape}"]
     if op is not None:

@@ -25,11 +25,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO
 
-from backends.base import ENV_RANKS_PER_NODE
-
-from .bootstrap import ENV_ADDRESSES, ENV_BACKEND, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
+from collectives.backends.base import ENV_RANKS_PER_NODE
+from collectives.bootstrap import ENV_ADDRESSES, ENV_BACKEND, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
 
 _LAST_LINES = 20
 _STOP_GRACE_SECONDS = 5.0
@@ -128,7 +128,10 @@ def _supervise(ranks: list[_Rank], timeout: float | None = None) -> int:
                 break
             if deadline is not None and time.monotonic() > deadline:
                 _stop_all(ranks)
-                print(f"collectives.launch: the job did not finish within {timeout:g} s; stopped every rank", file=sys.stderr)
+                print(
+                    f"collectives.launch: the job did not finish within {timeout:g} s; stopped every rank",
+                    file=sys.stderr,
+                )
                 return 124
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -183,9 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="emulate nodes of this many ranks (for hierarchical algorithms)",
     )
-    parser.add_argument(
-        "-m", "--module", action="store_true", help="run the script argument as a module (python -m)"
-    )
+    parser.add_argument("-m", "--module", action="store_true", help="run the script argument as a module (python -m)")
     parser.add_argument("script", help="the Python script (or, with -m, module) every rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from .communicator import DEFAULT_TIMEOUT, Communicator
-from .layout import DEFAULT_SEGMENT_BYTES
+from collectives.communicator import DEFAULT_TIMEOUT, Communicator
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES
 
 T = TypeVar("T")
 
@@ -42,7 +43,7 @@ def run_threads(
         The first exception raised on any rank (with a note naming the rank); the other ranks are
         woken with an error rather than left waiting.
     """
-    from backends.threads import ThreadFabric, node_hosts  # the one backend this entry point needs
+    from collectives.backends.threads import ThreadFabric, node_hosts  # the one backend this entry point needs
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -65,8 +66,7 @@ def run_threads(
                 comm.close()
 
     threads = [
-        threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
-        for rank in range(world_size)
+        threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True) for rank in range(world_size)
     ]
     for thread in threads:
         thread.start()

@@ -18,12 +18,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import keras
 import numpy as np
 import tensorflow as tf
-import keras
 
 import collectives
-from strategies import DistributedGradientTape, broadcast_variables
+from collectives.strategies import DistributedGradientTape, broadcast_variables
 
 NUM_CLASSES = 10
 
@@ -89,7 +89,9 @@ def main() -> None:
             totals += (float(loss) * len(mine), float(correct), len(mine))
         totals = comm.allreduce(totals)
         if comm.rank == 0:
-            print(f"epoch {epoch + 1}: loss {totals[0] / totals[2]:.4f}  accuracy {totals[1] / totals[2]:.3f}", flush=True)
+            print(
+                f"epoch {epoch + 1}: loss {totals[0] / totals[2]:.4f}  accuracy {totals[1] / totals[2]:.3f}", flush=True
+            )
     comm.close()
 
 

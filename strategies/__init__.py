@@ -1,7 +1,7 @@
 """TensorFlow integration: data-parallel gradient aggregation for custom training loops.
 
     import collectives
-    from strategies import DistributedGradientTape, broadcast_variables
+    from collectives.strategies import DistributedGradientTape, broadcast_variables
 
     collectives.init()
     broadcast_variables(model.variables)
@@ -44,9 +44,16 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'strategies' has no attribute {name!r}")
+        raise AttributeError(f"module 'collectives.strategies' has no attribute {name!r}")
     module = importlib.import_module(_EXPORTS[name], __name__)
-    if name in {"GradientAggregator", "DistributedGradientTape", "allreduce", "allgather", "broadcast", "broadcast_variables"}:
+    if name in {
+        "GradientAggregator",
+        "DistributedGradientTape",
+        "allreduce",
+        "allgather",
+        "broadcast",
+        "broadcast_variables",
+    }:
         from ._tensorflow import tensorflow
 
         tensorflow()  # a clear error naming the `tf` extra if TensorFlow is missing

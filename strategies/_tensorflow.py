@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.errors import BackendUnavailableError
+from collectives.backends.errors import BackendUnavailableError
 
 
 @functools.cache

@@ -25,7 +25,8 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -114,7 +115,10 @@ class GradientAggregator:
         return self.aggregate_marked(gradients, variables)
 
     def aggregate_marked(
-        self, gradients: Sequence[Any], variables: Sequence[Any] | None = None, after_hand_off: Callable[[], None] | None = None
+        self,
+        gradients: Sequence[Any],
+        variables: Sequence[Any] | None = None,
+        after_hand_off: Callable[[], None] | None = None,
     ) -> list[Any]:
         """`aggregate`, calling `after_hand_off()` (inside tf.function) once the hand-off ops exist.
 
@@ -173,7 +177,9 @@ class GradientAggregator:
             log.warning("gradient layout changed since the previous step; its buckets are flushed and sent again")
             exchange.collect_all()
             handed_over = {}
-        return self._aggregate_eagerly(tf, gradients, kinds, _fingerprint(tf, gradients, variables), current, handed_over)
+        return self._aggregate_eagerly(
+            tf, gradients, kinds, _fingerprint(tf, gradients, variables), current, handed_over
+        )
 
     # -- tf.function ---------------------------------------------------------------------------
 
@@ -183,7 +189,9 @@ class GradientAggregator:
         for index, bucket in enumerate(exchange.buckets):
             inputs = [gradients[slot.variable] for slot in bucket.slots]
             hand_off = functools.partial(self._hand_off, exchange, index, entries)
-            tokens.append(tf.numpy_function(hand_off, inputs, tf.int64, stateful=True, name=f"collectives_hand_off_{index}"))
+            tokens.append(
+                tf.numpy_function(hand_off, inputs, tf.int64, stateful=True, name=f"collectives_hand_off_{index}")
+            )
         if after_hand_off is not None:
             after_hand_off()
         for variable in reversed(range(len(gradients))):
@@ -191,8 +199,11 @@ class GradientAggregator:
                 gradient = gradients[variable]
                 gather = functools.partial(self._gather_sparse, entries=entries)
                 values, indices = tf.numpy_function(
-                    gather, [gradient.values, gradient.indices], [gradient.values.dtype, gradient.indices.dtype],
-                    stateful=True, name="collectives_gather_sparse",
+                    gather,
+                    [gradient.values, gradient.indices],
+                    [gradient.values.dtype, gradient.indices.dtype],
+                    stateful=True,
+                    name="collectives_gather_sparse",
                 )
                 values.set_shape([None, *gradient.values.shape[1:]])
                 indices.set_shape([None])
@@ -200,13 +211,21 @@ class GradientAggregator:
         for index, bucket in enumerate(exchange.buckets):
             dtype = tf.as_dtype(bucket.dtype)
             collect = functools.partial(self._collect, exchange, index)
-            outputs = tf.numpy_function(collect, [tokens[index]], [dtype] * len(bucket.slots), stateful=True, name=f"collectives_collect_{index}")
+            outputs = tf.numpy_function(
+                collect,
+                [tokens[index]],
+                [dtype] * len(bucket.slots),
+                stateful=True,
+                name=f"collectives_collect_{index}",
+            )
             for slot, output in zip(bucket.slots, outputs):
                 output.set_shape(slot.shape)
                 results[slot.variable] = output
         return results
 
-    def _hand_off(self, exchange: BucketExchange, index: int, entries: tuple[str, ...], *gradients: np.ndarray) -> np.int64:
+    def _hand_off(
+        self, exchange: BucketExchange, index: int, entries: tuple[str, ...], *gradients: np.ndarray
+    ) -> np.int64:
         self._ensure_checked(entries)
         for slot, gradient in zip(exchange.buckets[index].slots, gradients):
             exchange.deposit(slot.variable, gradient)
@@ -228,15 +247,22 @@ class GradientAggregator:
 
     def _exchange(self, tf, gradients, kinds) -> BucketExchange:
         """The (cached) exchange for this layout of gradients: made once, reused every step."""
-        specs = [(tuple(g.shape), tf.as_dtype(g.dtype).as_numpy_dtype) if k == DENSE else None for g, k in zip(gradients, kinds)]
+        specs = [
+            (tuple(g.shape), tf.as_dtype(g.dtype).as_numpy_dtype) if k == DENSE else None
+            for g, k in zip(gradients, kinds)
+        ]
         key = tuple((spec[0], np.dtype(spec[1]).str) if spec else kind for spec, kind in zip(specs, kinds))
         with self._lock:
             exchange = self._exchanges.get(key)
             if exchange is None:
                 if any(spec and None in spec[0] for spec in specs):
-                    raise ValueError(f"gradients need fully known shapes to be bucketed; got {[s[0] for s in specs if s]}")
+                    raise ValueError(
+                        f"gradients need fully known shapes to be bucketed; got {[s[0] for s in specs if s]}"
+                    )
                 buckets = plan_buckets(specs, self.bucket_bytes)
-                exchange = BucketExchange(self.comm, buckets, average=self.average, compressor=self.compressor, timeline=self.timeline)
+                exchange = BucketExchange(
+                    self.comm, buckets, average=self.average, compressor=self.compressor, timeline=self.timeline
+                )
                 self._exchanges[key] = exchange
         return exchange
 
@@ -245,7 +271,9 @@ class GradientAggregator:
             check_same_everywhere(self.comm, entries, "variables (name, shape, dtype, in order)")
             self._checked.add(entries)
 
-    def _gather_sparse(self, values: np.ndarray, indices: np.ndarray, entries: tuple[str, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def _gather_sparse(
+        self, values: np.ndarray, indices: np.ndarray, entries: tuple[str, ...] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         if entries is not None:
             self._ensure_checked(entries)
         values = allgather_rows(self.comm, values)
@@ -263,7 +291,11 @@ def _kind(tf, gradient: Any) -> str:
 def _fingerprint(tf, gradients: Sequence[Any], variables: Sequence[Any] | None) -> tuple[str, ...]:
     if variables is None:
         return tuple(
-            describe(f"gradient {i}", tuple(g.shape) if g is not None else (), tf.as_dtype(g.dtype).name if g is not None else "none")
+            describe(
+                f"gradient {i}",
+                tuple(g.shape) if g is not None else (),
+                tf.as_dtype(g.dtype).name if g is not None else "none",
+            )
             for i, g in enumerate(gradients)
         )
     return tuple(describe(variable_name(v), tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables)

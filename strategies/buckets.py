@@ -12,8 +12,8 @@ variables' shapes and dtypes, so every rank computes the same one.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

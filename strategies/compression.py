@@ -5,7 +5,7 @@ Horovod's interface: a `Compressor` has `compress` (returns the array to send an
 numpy arrays, because the bucket that is sent is a numpy buffer.
 
 `Compression.fp16` halves the bytes on the wire: float32/float64 buckets travel as float16 and
-are summed with float32 arithmetic at each step (see `collectives.ops`), then cast back. The
+are summed with float32 arithmetic at each step (see `collectives.core.ops`), then cast back. The
 result is identical on every rank; it differs from the uncompressed sum by float16 rounding
 (relative error about 1e-3 per addition), and values beyond float16's range (65504) overflow.
 """

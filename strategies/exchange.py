@@ -14,7 +14,7 @@ gradient hooks and the numpy functions of a `tf.function` graph.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -134,6 +134,11 @@ class BucketExchange:
         if self.timeline is not None and work.started_at is not None and work.finished_at is not None:
             bucket = self.buckets[index]
             self.timeline.record(
-                f"bucket {index}", COMMUNICATION, work.started_at, work.finished_at,
-                step=self.step, bytes=bucket.nbytes, gradients=len(bucket.slots),
+                f"bucket {index}",
+                COMMUNICATION,
+                work.started_at,
+                work.finished_at,
+                step=self.step,
+                bytes=bucket.nbytes,
+                gradients=len(bucket.slots),
             )

@@ -11,12 +11,12 @@ entry that differs.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from backends.errors import MismatchError
 from collectives import Communicator
+from collectives.backends.errors import MismatchError
 
 from .uneven import allgather_rows
 
@@ -44,7 +44,9 @@ def check_same_everywhere(comm: Communicator, entries: Sequence[str], what: str 
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     lists = [bytes(texts[bounds[r] : bounds[r + 1]]).decode().split("\n") for r in range(comm.size)]
     other = next(r for r in range(1, comm.size) if lists[r] != lists[0])
-    raise MismatchError(f"rank {comm.rank}: the ranks disagree on their {what}: {_first_difference(lists[0], lists[other], other)}")
+    raise MismatchError(
+        f"rank {comm.rank}: the ranks disagree on their {what}: {_first_difference(lists[0], lists[other], other)}"
+    )
 
 
 def _first_difference(reference: list[str], other: list[str], rank: int) -> str:

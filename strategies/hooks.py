@@ -17,7 +17,8 @@ tape falls back to aggregating after backprop.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from ._tensorflow import tensorflow
 

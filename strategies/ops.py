@@ -14,7 +14,8 @@ the pool has threads (`tf.config.threading.set_inter_op_parallelism_threads`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,13 @@ def allreduce(tensor: Any, op: str = "sum", comm: Communicator | None = None, *,
     tf = tensorflow()
     comm = communicator(comm)
     tensor = tf.convert_to_tensor(tensor)
-    return _apply(tf, lambda a: comm.allreduce(a, op=op, algorithm=algorithm, out=aligned_empty(a.shape, a.dtype)), tensor, tensor.shape, "collectives_allreduce")
+    return _apply(
+        tf,
+        lambda a: comm.allreduce(a, op=op, algorithm=algorithm, out=aligned_empty(a.shape, a.dtype)),
+        tensor,
+        tensor.shape,
+        "collectives_allreduce",
+    )
 
 
 def allgather(tensor: Any, comm: Communicator | None = None) -> Any:
@@ -49,7 +56,13 @@ def broadcast(tensor: Any, root: int = 0, comm: Communicator | None = None) -> A
     tf = tensorflow()
     comm = communicator(comm)
     tensor = tf.convert_to_tensor(tensor)
-    return _apply(tf, lambda a: comm.broadcast(a, root=root, out=aligned_empty(a.shape, a.dtype)), tensor, tensor.shape, "collectives_broadcast")
+    return _apply(
+        tf,
+        lambda a: comm.broadcast(a, root=root, out=aligned_empty(a.shape, a.dtype)),
+        tensor,
+        tensor.shape,
+        "collectives_broadcast",
+    )
 
 
 def broadcast_variables(variables: Sequence[Any], root: int = 0, comm: Communicator | None = None) -> None:
@@ -89,7 +102,9 @@ def broadcast_variables(variables: Sequence[Any], root: int = 0, comm: Communica
     if tf.executing_eagerly():
         received = exchange(*(as_array(value) for value in values))
     else:
-        received = tf.numpy_function(exchange, values, [value.dtype for value in values], stateful=True, name="collectives_broadcast_variables")
+        received = tf.numpy_function(
+            exchange, values, [value.dtype for value in values], stateful=True, name="collectives_broadcast_variables"
+        )
     for variable, value in zip(variables, received):
         variable.assign(tf.reshape(value, variable.shape))  # a numpy_function's output has no static shape
 

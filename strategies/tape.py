@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from collectives import Communicator
 
@@ -64,8 +65,12 @@ class DistributedGradientTape:
         self._given_tape = tape
         self._tape = tape
         self.aggregator = aggregator or GradientAggregator(
-            comm, average=average, bucket_bytes=bucket_bytes, compression=compression,
-            sparse_as_dense=sparse_as_dense, timeline=timeline,
+            comm,
+            average=average,
+            bucket_bytes=bucket_bytes,
+            compression=compression,
+            sparse_as_dense=sparse_as_dense,
+            timeline=timeline,
         )
         self._model = model
         self._hooks: GradientHooks | None = None
@@ -73,7 +78,7 @@ class DistributedGradientTape:
         self._handed_over: dict[int, Any] = {}
         self._exchange = None
 
-    def __enter__(self) -> "DistributedGradientTape":
+    def __enter__(self) -> DistributedGradientTape:
         tf = tensorflow()
         self._tape = self._given_tape if self._given_tape is not None else tf.GradientTape()
         self._tape.__enter__()
@@ -121,7 +126,9 @@ class DistributedGradientTape:
         time backprop for the timeline (from the loss being ready to the last gradient)."""
         timeline = self.aggregator.timeline
         if timeline is not None:
-            mark_start = tf.numpy_function(lambda _: _now(), [target], tf.float64, stateful=True, name="collectives_backprop_start")
+            mark_start = tf.numpy_function(
+                lambda _: _now(), [target], tf.float64, stateful=True, name="collectives_backprop_start"
+            )
         gradients = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
         if timeline is None:
             return self.aggregator.aggregate(gradients, sources)

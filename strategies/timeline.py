@@ -17,7 +17,7 @@ import json
 import os
 import threading
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 ENV_TIMELINE = "COLLECTIVES_TIMELINE"
 BACKPROP = "backprop"
@@ -37,7 +37,7 @@ class Timeline:
             trace.write("[\n")
 
     @classmethod
-    def from_environment(cls, rank: int, size: int) -> "Timeline | None":
+    def from_environment(cls, rank: int, size: int) -> Timeline | None:
         """A timeline at $COLLECTIVES_TIMELINE, or None when it is not set."""
         path = os.environ.get(ENV_TIMELINE)
         return cls(path, rank, size) if path else None

@@ -9,7 +9,7 @@ over threads; the MPI and gRPC tests run them in real processes through `run_bod
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -75,7 +75,9 @@ def allreduce_every_algorithm(comm: Communicator) -> None:
                     inputs = [rank_input(rank, count, dtype, case) for rank in range(comm.size)]
                     what = f"allreduce {algorithm} count={count} {dtype} {op}"
                     result = comm.allreduce(inputs[comm.rank], op=op, algorithm=algorithm)
-                    np.testing.assert_array_equal(inputs[comm.rank], rank_input(comm.rank, count, dtype, case), err_msg=f"{what}: input modified")
+                    np.testing.assert_array_equal(
+                        inputs[comm.rank], rank_input(comm.rank, count, dtype, case), err_msg=f"{what}: input modified"
+                    )
                     assert_close(result, reference(inputs, op), dtype, comm.size, what)
                     assert_identical_everywhere(comm, result, what)
 
@@ -94,7 +96,9 @@ def other_collectives(comm: Communicator) -> None:
     for root in range(p):
         mine = rank_input(comm.rank, 1001, "float64", 2 + root)
         got = comm.broadcast(mine, root=root)
-        np.testing.assert_array_equal(got, rank_input(root, 1001, "float64", 2 + root), err_msg=f"broadcast root {root}")
+        np.testing.assert_array_equal(
+            got, rank_input(root, 1001, "float64", 2 + root), err_msg=f"broadcast root {root}"
+        )
     comm.barrier()
 
 

@@ -11,7 +11,8 @@ import logging
 import threading
 import time
 import zlib
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -111,9 +112,7 @@ def valid_ops(dtype: np.dtype) -> tuple[str, ...]:
     return OPS if np.dtype(dtype).kind == "f" else tuple(op for op in OPS if op != "mean")
 
 
-def make_input(
-    rank: int, shape: int | tuple[int, ...], dtype: Any, op: str = "sum", seed: int = 0
-) -> np.ndarray:
+def make_input(rank: int, shape: int | tuple[int, ...], dtype: Any, op: str = "sum", seed: int = 0) -> np.ndarray:
     """Deterministic input of rank `rank` whose reduction by `op` neither overflows nor loses much.
 
     Floats: values in [-1, 1] (sum, mean, max, min) or in [0.9, 1.1] (prod), already rounded to
@@ -220,9 +219,7 @@ def assert_identical(results: Sequence[np.ndarray]) -> None:
 # -- running worlds --------------------------------------------------------------------------------
 
 
-def run_catching(
-    fn: Callable[[collectives.Communicator], Any], world_size: int, **kwargs: Any
-) -> list[Any]:
+def run_catching(fn: Callable[[collectives.Communicator], Any], world_size: int, **kwargs: Any) -> list[Any]:
     """`run_threads`, with every `CollectiveError` raised in `fn` returned as that rank's result."""
 
     def guarded(comm: collectives.Communicator) -> Any:
@@ -237,7 +234,7 @@ def run_catching(
 class Stopwatch:
     """Measures the wall time of a `with` block, to catch hangs (not as a speed target)."""
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self.start = time.monotonic()
         self.seconds = 0.0
         return self
@@ -249,7 +246,7 @@ class Stopwatch:
 def run_on_hosts(fn: Callable[[collectives.Communicator], Any], hosts: Sequence[str], **kwargs: Any) -> list[Any]:
     """Like `run_threads`, but over a ThreadFabric with arbitrary (e.g. interleaved) host names;
     a failure on any rank aborts the fabric and is re-raised."""
-    from backends.threads import ThreadFabric
+    from collectives.backends.threads import ThreadFabric
 
     fabric = ThreadFabric(list(hosts))
     results: list[Any] = [None] * len(hosts)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import collectives  # noqa: E402
 from bodies import BODIES  # noqa: E402
+
+import collectives  # noqa: E402
 
 
 def main(names: list[str]) -> int:

@@ -6,8 +6,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import collectives
 from conftest import (
     ALL_ALGORITHMS,
     DTYPES,
@@ -23,6 +21,8 @@ from conftest import (
     valid_ops,
 )
 
+import collectives
+
 
 def sweep_counts(world_size: int) -> list[int]:
     """0, 1, fewer than ranks, not divisible by ranks, and large (many segments)."""
@@ -31,12 +31,7 @@ def sweep_counts(world_size: int) -> list[int]:
 
 def sweep_keys(world_size: int) -> list[tuple[int, np.dtype, str]]:
     """Every (count, dtype, op) of the sweep, in the order every rank runs them."""
-    return [
-        (count, dtype, op)
-        for count in sweep_counts(world_size)
-        for dtype in DTYPES
-        for op in valid_ops(dtype)
-    ]
+    return [(count, dtype, op) for count in sweep_counts(world_size) for dtype in DTYPES for op in valid_ops(dtype)]
 
 
 @pytest.mark.parametrize(("algorithm", "world_size", "ranks_per_node"), allreduce_cases())
@@ -56,9 +51,7 @@ def test_allreduce_sweep(algorithm: str, world_size: int, ranks_per_node: Any) -
                 modified.append((count, dtype.str, op))
         return {"results": results, "modified": modified}
 
-    per_rank = collectives.run_threads(
-        body, world_size, ranks_per_node=ranks_per_node, segment_bytes=SEGMENT_BYTES
-    )
+    per_rank = collectives.run_threads(body, world_size, ranks_per_node=ranks_per_node, segment_bytes=SEGMENT_BYTES)
 
     problems: list[str] = []
     for rank, outcome in enumerate(per_rank):
@@ -77,9 +70,7 @@ def test_allreduce_sweep(algorithm: str, world_size: int, ranks_per_node: Any) -
     assert not problems, f"{len(problems)} problems, first ones:\n" + "\n".join(problems[:12])
 
 
-SHAPE_CASES = [
-    pytest.param(algorithm, id=algorithm) for algorithm in ALL_ALGORITHMS
-]
+SHAPE_CASES = [pytest.param(algorithm, id=algorithm) for algorithm in ALL_ALGORITHMS]
 """Shape/layout tests run each algorithm on 5 ranks in two uneven nodes [3, 2]."""
 
 SHAPE_WORLD = 5
@@ -242,9 +233,7 @@ def test_auto_resolves_by_size_and_topology(
     assert results == [expected] * world_size
 
 
-SIZE_ONE_CASES = [
-    pytest.param(dtype, op, id=f"{dtype}-{op}") for dtype in DTYPES for op in valid_ops(dtype)
-]
+SIZE_ONE_CASES = [pytest.param(dtype, op, id=f"{dtype}-{op}") for dtype in DTYPES for op in valid_ops(dtype)]
 
 
 @pytest.mark.parametrize(("dtype", "op"), SIZE_ONE_CASES)
@@ -328,11 +317,18 @@ def test_allreduce_special_values(algorithm: str, dtype: Any, op: str) -> None:
 
     results = collectives.run_threads(
         lambda comm: comm.allreduce(make(comm.rank), op=op, algorithm=algorithm),
-        world_size, ranks_per_node=[3, 2], segment_bytes=2,
+        world_size,
+        ranks_per_node=[3, 2],
+        segment_bytes=2,
     )
     stack = np.stack([make(r) for r in range(world_size)]).astype(np.float64)
-    expected = {"sum": stack.sum(0), "max": stack.max(0), "min": stack.min(0), "prod": stack.prod(0),
-                "mean": stack.mean(0)}[op]
+    expected = {
+        "sum": stack.sum(0),
+        "max": stack.max(0),
+        "min": stack.min(0),
+        "prod": stack.prod(0),
+        "mean": stack.mean(0),
+    }[op]
     got = results[0].astype(np.float64)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))

@@ -14,15 +14,15 @@ import json
 import numpy as np
 import pytest
 
-from bench import cli
-from bench.commands import main
-from bench.measure import IN_PLACE, OUT_OF_PLACE, bus_factor
-from bench.output import read_csv, read_json
-from bench.payloads import COLLECTIVES, expected_output, make_input
-from bench.progress import ProgressBar
-from bench.scaling import ETHERNET_NODES, GPU_NODES, TrainingModel, scaling_curve
 from collectives import Communicator
-from collectives.ops import ReduceOp
+from collectives.bench import cli
+from collectives.bench.commands import main
+from collectives.bench.measure import IN_PLACE, OUT_OF_PLACE, bus_factor
+from collectives.bench.output import read_csv, read_json
+from collectives.bench.payloads import COLLECTIVES, expected_output, make_input
+from collectives.bench.progress import ProgressBar
+from collectives.bench.scaling import ETHERNET_NODES, GPU_NODES, TrainingModel, scaling_curve
+from collectives.core.ops import ReduceOp
 
 QUICK = ["-b", "4K", "-e", "4K", "-w", "0", "-i", "1", "--no-tune"]
 """One size, no warm-up, one timed iteration, no tuning pass: correctness, not timing."""
@@ -31,7 +31,9 @@ QUICK = ["-b", "4K", "-e", "4K", "-w", "0", "-i", "1", "--no-tune"]
 # -- options ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "expected"), [("4K", 4096), ("64M", 64 << 20), ("1G", 1 << 30), ("1048576", 1 << 20), ("2kb", 2048)])
+@pytest.mark.parametrize(
+    ("text", "expected"), [("4K", 4096), ("64M", 64 << 20), ("1G", 1 << 30), ("1048576", 1 << 20), ("2kb", 2048)]
+)
 def test_sizes_parse_like_nccl_tests(text: str, expected: int) -> None:
     assert cli.parse_size(text) == expected
 
@@ -53,8 +55,16 @@ def test_defaults_and_options_reach_the_spec() -> None:
     spec = _spec()
     assert spec.collective == "allreduce" and spec.op == "sum" and spec.dtype == "float32"
     assert spec.algorithms == ("ring", "tree", "hierarchical", "hierarchical_tree", "auto")
-    spec = _spec("-c", "reduce_scatter", "-o", "max", "-d", "int64", "-w", "1", "-i", "5", "-b", "1K", "-e", "4K", "-f", "2")
-    assert (spec.collective, spec.op, spec.dtype, spec.warmup, spec.iterations) == ("reduce_scatter", "max", "int64", 1, 5)
+    spec = _spec(
+        "-c", "reduce_scatter", "-o", "max", "-d", "int64", "-w", "1", "-i", "5", "-b", "1K", "-e", "4K", "-f", "2"
+    )
+    assert (spec.collective, spec.op, spec.dtype, spec.warmup, spec.iterations) == (
+        "reduce_scatter",
+        "max",
+        "int64",
+        1,
+        5,
+    )
     assert spec.sizes == (1024, 2048, 4096) and spec.algorithms == ("ring",)
     assert _spec("-c", "broadcast", "-r", "3").algorithms == ("tree",)
 
@@ -107,7 +117,9 @@ def test_expected_outputs_are_the_exact_results(collective: str, op: str, dtype:
     reduce_op, size, count = ReduceOp(op), 5, 35
     if reduce_op is ReduceOp.MEAN and dtype == "int32":
         pytest.skip("mean needs a floating-point dtype (the command line refuses it)")
-    inputs = [make_input(collective, reduce_op, r, size, count, np.dtype(dtype)).astype(np.float64) for r in range(size)]
+    inputs = [
+        make_input(collective, reduce_op, r, size, count, np.dtype(dtype)).astype(np.float64) for r in range(size)
+    ]
     if collective == "allgather":
         full = np.concatenate(inputs)
     elif collective == "broadcast":
@@ -122,7 +134,12 @@ def test_expected_outputs_are_the_exact_results(collective: str, op: str, dtype:
 
 
 def test_every_collective_and_op_runs_with_nothing_wrong(tmp_path) -> None:
-    for argv in (["-c", "allreduce", "-o", "prod", "-a", "ring"], ["-c", "reduce_scatter", "-o", "mean"], ["-c", "allgather"], ["-c", "broadcast", "-r", "1"]):
+    for argv in (
+        ["-c", "allreduce", "-o", "prod", "-a", "ring"],
+        ["-c", "reduce_scatter", "-o", "mean"],
+        ["-c", "allgather"],
+        ["-c", "broadcast", "-r", "1"],
+    ):
         path = tmp_path / "rows.csv"
         assert main([*QUICK, *argv, "--csv", str(path)]) == 0, argv
         rows = read_csv(str(path))
@@ -187,7 +204,28 @@ def test_progress_bar_is_off_when_stderr_is_not_a_terminal(capsys) -> None:
 def test_plot_files_are_pngs(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     sweep, scaling = tmp_path / "busbw.png", tmp_path / "scaling.png"
-    assert main(["-b", "4K", "-e", "16K", "-f", "4", "-w", "0", "-i", "1", "--no-tune", "-a", "ring,auto", "--plot", str(sweep)]) == 0
+    assert (
+        main(
+            [
+                "-b",
+                "4K",
+                "-e",
+                "16K",
+                "-f",
+                "4",
+                "-w",
+                "0",
+                "-i",
+                "1",
+                "--no-tune",
+                "-a",
+                "ring,auto",
+                "--plot",
+                str(sweep),
+            ]
+        )
+        == 0
+    )
     assert main(["scaling", "--simulate-up-to", "0", "--plot", str(scaling)]) == 0
     for path in (sweep, scaling):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -210,7 +248,10 @@ def test_explain_puts_the_model_beside_the_measurement_and_auto_beside_the_faste
 
 
 def test_simulated_backend_prints_each_algorithm_beside_the_model_and_the_regret(capsys) -> None:
-    assert main(["--backend", "simulated", "--nodes", "2", "--ranks-per-node", "2", "-b", "1K", "-e", "64K", "-f", "64"]) == 0
+    assert (
+        main(["--backend", "simulated", "--nodes", "2", "--ranks-per-node", "2", "-b", "1K", "-e", "64K", "-f", "64"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "simulated cluster of 2 x 2 ranks" in out and "# probed: intra 1.00 us 50.00 GB/s" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1024"], ["65536"])]

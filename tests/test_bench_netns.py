@@ -11,20 +11,21 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import pytest
 
-from bench import netns
-from bench.cli import build_parser
-from bench.commands import main
-from bench.measure import Measurement, SweepResult
-from bench.output import describe_link_costs
-from collectives.topology import DEFAULT_LINK_COSTS
+from collectives.bench import netns
+from collectives.bench.cli import build_parser
+from collectives.bench.commands import main
+from collectives.bench.measure import Measurement, SweepResult
+from collectives.bench.output import describe_link_costs
+from collectives.core.topology import DEFAULT_LINK_COSTS
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 60
+
 
 def needs_namespaces(test: Callable[[], None]) -> Callable[[], None]:
     """Mark a test that makes real namespaces: marked `netns`, skipped (saying why) where it cannot."""
@@ -60,7 +61,9 @@ def setup_command_count(nodes: int) -> int:
 
 
 def test_emulation_options_are_parsed() -> None:
-    args = build_parser().parse_args(["--emulate-nodes", "3", "--ranks-per-node", "2", "--inter-gbit", "2.5", "--emulate-timeout", "30"])
+    args = build_parser().parse_args(
+        ["--emulate-nodes", "3", "--ranks-per-node", "2", "--inter-gbit", "2.5", "--emulate-timeout", "30"]
+    )
     assert (args.emulate_nodes, args.ranks_per_node, args.inter_gbit, args.emulate_timeout) == (3, [2], 2.5, 30.0)
     defaults = build_parser().parse_args([])
     assert defaults.emulate_nodes is None and defaults.inter_gbit == 1.0
@@ -76,7 +79,9 @@ def test_emulation_options_are_parsed() -> None:
         (["--emulate-nodes", "2", "-n", "4", "--ranks-per-node", "3"], "does not make 2 nodes of 3 ranks"),
     ],
 )
-def test_contradicting_options_are_refused(arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_contradicting_options_are_refused(
+    arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Refused with exit code 2 and a message, before any namespace is made."""
     assert main(arguments) == 2
     assert message in capsys.readouterr().err
@@ -90,7 +95,9 @@ def test_ranks_follow_from_nodes_and_ranks_per_node(monkeypatch: pytest.MonkeyPa
     assert (resolved.ranks, resolved.ranks_per_node) == (6, [3])
 
 
-def test_without_root_it_says_so_and_runs_the_simulated_cluster(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_root_it_says_so_and_runs_the_simulated_cluster(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Not root: one line on stderr saying why, then the same cluster on the simulated backend,
     its inter-node link and NIC at --inter-gbit."""
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
@@ -115,7 +122,14 @@ def test_setup_builds_one_namespace_per_node_and_a_hub() -> None:
         shaped = [command for command in runner.commands if command[0] == "tc"]
         assert len(shaped) == 6  # both ends of each node's link
         assert all("tbf" in command and "1000000000bit" in command for command in shaped)
-        assert cluster.exec_command(cluster.nodes[1], ["python", "-V"]) == ["ip", "netns", "exec", "coll-4242-n1", "python", "-V"]
+        assert cluster.exec_command(cluster.nodes[1], ["python", "-V"]) == [
+            "ip",
+            "netns",
+            "exec",
+            "coll-4242-n1",
+            "python",
+            "-V",
+        ]
     assert runner.namespaces("delete") == ["coll-4242-n2", "coll-4242-n1", "coll-4242-n0", "coll-4242-hub"]
     assert cluster.created == []
 
@@ -170,12 +184,23 @@ def test_sigterm_removes_everything_and_restores_the_handler() -> None:
 
 def test_comparison_reports_the_ratio_and_whether_auto_matches() -> None:
     def row(algorithm: str, seconds: float) -> Measurement:
-        return Measurement(nbytes=16 << 20, count=4 << 20, dtype="float32", op="sum", algorithm=algorithm, seconds=seconds, ranks=4, wrong=0)
+        return Measurement(
+            nbytes=16 << 20,
+            count=4 << 20,
+            dtype="float32",
+            op="sum",
+            algorithm=algorithm,
+            seconds=seconds,
+            ranks=4,
+            wrong=0,
+        )
 
     rows = [row("ring", 0.3), row("hierarchical", 0.2), row("auto", 0.2)]
     text = netns.comparison(SweepResult(rows, {16 << 20: "hierarchical"}, {}, describe_link_costs(DEFAULT_LINK_COSTS)))
     assert "defaults, not probed" in text
-    assert "fastest measured hierarchical; hierarchical 1.50x as fast as ring; auto -> hierarchical (the fastest)" in text
+    assert (
+        "fastest measured hierarchical; hierarchical 1.50x as fast as ring; auto -> hierarchical (the fastest)" in text
+    )
     assert "auto -> ring (+50.0% against the fastest)" in netns.comparison(SweepResult(rows, {16 << 20: "ring"}, {}))
 
 
@@ -183,8 +208,31 @@ def test_comparison_reports_the_ratio_and_whether_auto_matches() -> None:
 
 
 def bench_command(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "bench", "--emulate-nodes", "2", "--inter-gbit", "1", "-b", "4K", "-e", "1M", "-f", "16",
-            "-a", "ring,hierarchical,auto", "--no-tune", "-w", "1", "-i", "2", "--emulate-timeout", str(RUN_TIMEOUT), *arguments]
+    return [
+        sys.executable,
+        "-m",
+        "collectives.bench",
+        "--emulate-nodes",
+        "2",
+        "--inter-gbit",
+        "1",
+        "-b",
+        "4K",
+        "-e",
+        "1M",
+        "-f",
+        "16",
+        "-a",
+        "ring,hierarchical,auto",
+        "--no-tune",
+        "-w",
+        "1",
+        "-i",
+        "2",
+        "--emulate-timeout",
+        str(RUN_TIMEOUT),
+        *arguments,
+    ]
 
 
 def leftover_namespaces(pid: int) -> list[str]:
@@ -198,11 +246,20 @@ def environment() -> dict[str, str]:
 
 @needs_namespaces
 def test_real_run_is_correct_and_leaves_no_namespace() -> None:
-    process = subprocess.Popen(bench_command("--ranks-per-node", "2"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment(), cwd=REPOSITORY)
+    process = subprocess.Popen(
+        bench_command("--ranks-per-node", "2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment(),
+        cwd=REPOSITORY,
+    )
     output, _ = process.communicate(timeout=RUN_TIMEOUT + 30)
     assert process.returncode == 0, output
     assert "coll-" in output and "1 Gbit/s" in output
-    rows = [line.split() for line in output.splitlines() if line.strip().split(" ")[0].isdigit() and len(line.split()) == 14]
+    rows = [
+        line.split() for line in output.splitlines() if line.strip().split(" ")[0].isdigit() and len(line.split()) == 14
+    ]
     assert {row[5].split("->")[0] for row in rows} == {"ring", "hierarchical", "auto", "copy-bound"}
     assert all(row[9] == "0" and row[13] in ("0", "-") for row in rows), output  # the #wrong columns
     assert leftover_namespaces(process.pid) == []
@@ -210,7 +267,14 @@ def test_real_run_is_correct_and_leaves_no_namespace() -> None:
 
 @needs_namespaces
 def test_sigterm_during_a_real_run_stops_the_ranks_and_removes_the_namespaces() -> None:
-    process = subprocess.Popen(bench_command("--ranks-per-node", "1", "-i", "100000"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment(), cwd=REPOSITORY)
+    process = subprocess.Popen(
+        bench_command("--ranks-per-node", "1", "-i", "100000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment(),
+        cwd=REPOSITORY,
+    )
     try:
         assert process.stdout is not None
         for line in process.stdout:
@@ -226,4 +290,3 @@ def test_sigterm_during_a_real_run_stops_the_ranks_and_removes_the_namespaces() 
     assert process.returncode == 1, output
     assert f"stopped with exit code {128 + signal.SIGTERM}" in output  # the launcher stopped the ranks
     assert leftover_namespaces(process.pid) == []
-

@@ -6,9 +6,9 @@ The same bodies run over MPI and gRPC in real processes (test_mpi.py, test_grpc.
 from __future__ import annotations
 
 import pytest
+from bodies import BODIES
 
 import collectives
-from bodies import BODIES
 
 
 @pytest.mark.parametrize("name", sorted(BODIES))

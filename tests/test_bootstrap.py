@@ -37,8 +37,17 @@ def test_unknown_backend_is_refused() -> None:
 def test_init_without_a_launcher_is_one_rank_and_says_so(monkeypatch, caplog) -> None:
     """Nothing detected: a working size-1 communicator, announced once at info level, that
     becomes the default communicator."""
-    for name in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "TF_CONFIG",
-                 "COLLECTIVES_ADDRESSES", "COLLECTIVES_BACKEND", "COLLECTIVES_RANKS_PER_NODE"):
+    for name in (
+        "PMI_RANK",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "OMPI_COMM_WORLD_RANK",
+        "MPI_LOCALRANKID",
+        "TF_CONFIG",
+        "COLLECTIVES_ADDRESSES",
+        "COLLECTIVES_BACKEND",
+        "COLLECTIVES_RANKS_PER_NODE",
+    ):
         monkeypatch.delenv(name, raising=False)
     with caplog.at_level(logging.INFO, logger="collectives.bootstrap"):
         comm = collectives.init()

@@ -9,9 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import collectives
-from collectives.layout import even_bounds
 from conftest import (
     ALL_ALGORITHMS,
     assert_identical,
@@ -21,6 +18,9 @@ from conftest import (
     same_bits,
     tolerance,
 )
+
+import collectives
+from collectives.core.layout import even_bounds
 
 # -- reduce_scatter ------------------------------------------------------------------------------
 
@@ -54,8 +54,7 @@ def test_reduce_scatter(world_size: int, dtype: Any, op: str) -> None:
 
     def body(comm: collectives.Communicator) -> list[np.ndarray]:
         return [
-            comm.reduce_scatter(make_input(comm.rank, (rows, *shape_tail), dtype, op), op=op)
-            for rows in row_counts
+            comm.reduce_scatter(make_input(comm.rank, (rows, *shape_tail), dtype, op), op=op) for rows in row_counts
         ]
 
     per_rank = collectives.run_threads(body, world_size, segment_bytes=64)
@@ -76,7 +75,9 @@ def test_reduce_scatter_work_space_is_reused_safely() -> None:
     calls = [(np.float64, 900), (np.float16, 7), (np.int32, 300), (np.float32, 0), (np.int64, 901), (np.float16, 50)]
 
     def body(comm: collectives.Communicator) -> list[np.ndarray]:
-        blocks = [comm.reduce_scatter(make_input(comm.rank, (rows, *shape_tail), dtype), op="sum") for dtype, rows in calls]
+        blocks = [
+            comm.reduce_scatter(make_input(comm.rank, (rows, *shape_tail), dtype), op="sum") for dtype, rows in calls
+        ]
         assert not any(np.shares_memory(a, b) for i, a in enumerate(blocks) for b in blocks[i + 1 :])
         return blocks
 
@@ -371,8 +372,16 @@ def test_communicator_identity_and_topology() -> None:
     """rank, size, node, local_rank, local_size and topology follow ranks_per_node=[3, 1, 2]."""
 
     def body(comm: collectives.Communicator) -> tuple:
-        return (comm.rank, comm.size, comm.node, comm.local_rank, comm.local_size, comm.topology.nodes,
-                comm.broken, repr(comm))
+        return (
+            comm.rank,
+            comm.size,
+            comm.node,
+            comm.local_rank,
+            comm.local_size,
+            comm.topology.nodes,
+            comm.broken,
+            repr(comm),
+        )
 
     per_rank = collectives.run_threads(body, 6, ranks_per_node=[3, 1, 2])
     expected_nodes = ((0, 1, 2), (3,), (4, 5))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
+from conftest import ALGORITHMS, ALL_ALGORITHMS, Stopwatch, run_catching
 
 import collectives
 from collectives import (
@@ -23,7 +25,6 @@ from collectives import (
     MismatchError,
     PeerLostError,
 )
-from conftest import ALL_ALGORITHMS, ALGORITHMS, Stopwatch, run_catching
 
 MISMATCH_TIMEOUT = 10.0
 """Collective timeout for mismatch tests: detection must take a small fraction of it."""
@@ -140,10 +141,17 @@ LATE = 0.2
 every chance to finish (wrongly) before the mismatch can be noticed."""
 
 ROOT_PAIRS = [
-    pytest.param(world_size, first, second, delay, id=f"p{world_size}-root{first}-vs-root{second}{'-late' if delay else ''}")
+    pytest.param(
+        world_size, first, second, delay, id=f"p{world_size}-root{first}-vs-root{second}{'-late' if delay else ''}"
+    )
     for world_size, first, second, delay in [
-        (2, 0, 1, 0.0), (3, 1, 2, 0.0), (6, 0, 2, 0.0),
-        (4, 0, 1, LATE), (5, 2, 3, LATE), (6, 0, 2, LATE), (8, 0, 1, LATE),
+        (2, 0, 1, 0.0),
+        (3, 1, 2, 0.0),
+        (6, 0, 2, 0.0),
+        (4, 0, 1, LATE),
+        (5, 2, 3, LATE),
+        (6, 0, 2, LATE),
+        (8, 0, 1, LATE),
     ]
 ]
 
@@ -206,12 +214,27 @@ def test_allreduce_vs_barrier_mismatch(algorithm: str, world_size: int) -> None:
 
 
 OTHER_KIND_CASES = [
-    pytest.param(lambda c: c.allgather(np.ones(8)), lambda c: c.allreduce(np.ones(8), algorithm="ring"),
-                 "allgather", "allreduce", id="allgather-vs-allreduce"),
-    pytest.param(lambda c: c.reduce_scatter(np.ones(8)), lambda c: c.allgather(np.ones(8)),
-                 "reduce_scatter", "allgather", id="reduce_scatter-vs-allgather"),
-    pytest.param(lambda c: c.broadcast(np.ones(8), root=1), lambda c: c.allreduce(np.ones(8), algorithm="tree"),
-                 "broadcast", "allreduce", id="broadcast-vs-allreduce"),
+    pytest.param(
+        lambda c: c.allgather(np.ones(8)),
+        lambda c: c.allreduce(np.ones(8), algorithm="ring"),
+        "allgather",
+        "allreduce",
+        id="allgather-vs-allreduce",
+    ),
+    pytest.param(
+        lambda c: c.reduce_scatter(np.ones(8)),
+        lambda c: c.allgather(np.ones(8)),
+        "reduce_scatter",
+        "allgather",
+        id="reduce_scatter-vs-allgather",
+    ),
+    pytest.param(
+        lambda c: c.broadcast(np.ones(8), root=1),
+        lambda c: c.allreduce(np.ones(8), algorithm="tree"),
+        "broadcast",
+        "allreduce",
+        id="broadcast-vs-allreduce",
+    ),
 ]
 
 
@@ -413,30 +436,51 @@ def test_user_exception_before_any_collective() -> None:
 BAD_CALLS = [
     pytest.param(lambda c: c.allreduce(np.ones(4, np.int32), op="mean"), TypeError, ["mean", "int32"], id="mean-int32"),
     pytest.param(lambda c: c.allreduce(np.ones(4, np.int64), op="mean"), TypeError, ["mean", "int64"], id="mean-int64"),
-    pytest.param(lambda c: c.reduce_scatter(np.ones(4, np.int64), op="mean"), TypeError, ["mean", "int64"],
-                 id="reduce_scatter-mean-int64"),
+    pytest.param(
+        lambda c: c.reduce_scatter(np.ones(4, np.int64), op="mean"),
+        TypeError,
+        ["mean", "int64"],
+        id="reduce_scatter-mean-int64",
+    ),
     pytest.param(lambda c: c.allreduce(np.ones(4), op="avg"), ValueError, ["'avg'", "'sum'"], id="unknown-op"),
     pytest.param(lambda c: c.allreduce(np.ones(4), op=None), ValueError, ["None"], id="op-None"),
-    pytest.param(lambda c: c.reduce_scatter(np.ones(4), op="median"), ValueError, ["'median'"],
-                 id="reduce_scatter-unknown-op"),
-    pytest.param(lambda c: c.allreduce(np.ones(4), algorithm="butterfly"), ValueError, ["'butterfly'", "'ring'"],
-                 id="unknown-algorithm"),
-    pytest.param(lambda c: c.allreduce(np.ones(4), algorithm="native"), ValueError, ["'native'"],
-                 id="algorithm-native"),
+    pytest.param(
+        lambda c: c.reduce_scatter(np.ones(4), op="median"), ValueError, ["'median'"], id="reduce_scatter-unknown-op"
+    ),
+    pytest.param(
+        lambda c: c.allreduce(np.ones(4), algorithm="butterfly"),
+        ValueError,
+        ["'butterfly'", "'ring'"],
+        id="unknown-algorithm",
+    ),
+    pytest.param(
+        lambda c: c.allreduce(np.ones(4), algorithm="native"), ValueError, ["'native'"], id="algorithm-native"
+    ),
     pytest.param(lambda c: c.allreduce(np.ones(4), out=np.empty(5)), ValueError, ["(4,)", "(5,)"], id="out-shape"),
-    pytest.param(lambda c: c.allreduce(np.ones(4), out=np.empty(4, np.float32)), ValueError, ["float64", "float32"],
-                 id="out-dtype"),
+    pytest.param(
+        lambda c: c.allreduce(np.ones(4), out=np.empty(4, np.float32)),
+        ValueError,
+        ["float64", "float32"],
+        id="out-dtype",
+    ),
     pytest.param(lambda c: c.allreduce(np.ones(4), out=[0.0] * 4), TypeError, ["out", "list"], id="out-list"),
     pytest.param(lambda c: c.allreduce(np.ones(4), out=_readonly(4)), ValueError, ["read-only"], id="out-readonly"),
     pytest.param(lambda c: c.allgather(np.ones(4), out=np.empty(3)), ValueError, ["shape"], id="allgather-out-shape"),
-    pytest.param(lambda c: c.reduce_scatter(np.ones((6, 2)), out=np.empty((7, 2))), ValueError, ["shape"],
-                 id="reduce_scatter-out-shape"),
-    pytest.param(lambda c: c.broadcast(np.ones(4), out=np.empty(4, np.int64)), ValueError, ["dtype"],
-                 id="broadcast-out-dtype"),
-    pytest.param(lambda c: c.allreduce(np.array([None, 1], dtype=object)), TypeError, ["object"],
-                 id="allreduce-object"),
-    pytest.param(lambda c: c.allgather(np.array([None, 1], dtype=object)), TypeError, ["object"],
-                 id="allgather-object"),
+    pytest.param(
+        lambda c: c.reduce_scatter(np.ones((6, 2)), out=np.empty((7, 2))),
+        ValueError,
+        ["shape"],
+        id="reduce_scatter-out-shape",
+    ),
+    pytest.param(
+        lambda c: c.broadcast(np.ones(4), out=np.empty(4, np.int64)), ValueError, ["dtype"], id="broadcast-out-dtype"
+    ),
+    pytest.param(
+        lambda c: c.allreduce(np.array([None, 1], dtype=object)), TypeError, ["object"], id="allreduce-object"
+    ),
+    pytest.param(
+        lambda c: c.allgather(np.array([None, 1], dtype=object)), TypeError, ["object"], id="allgather-object"
+    ),
     pytest.param(lambda c: c.broadcast(np.array(["a", "b"])), TypeError, ["<U1"], id="broadcast-str"),
     pytest.param(lambda c: c.allreduce(np.ones(4, np.uint8)), TypeError, ["uint8"], id="allreduce-uint8"),
     pytest.param(lambda c: c.allreduce(np.ones(4, bool), op="max"), TypeError, ["bool"], id="allreduce-bool"),

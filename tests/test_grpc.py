@@ -21,14 +21,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from backends import _grpc_config as wire
-from backends.errors import (
+from collectives.backends import _grpc_config as wire
+from collectives.backends.errors import (
     BackendUnavailableError,
     CollectiveError,
     MismatchError,
@@ -39,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "grpc_scripts"))
 
 from grpc_world import World  # noqa: E402
+
 from collectives.launch import free_loopback_ports as free_ports  # noqa: E402
 
 HAVE_GRPC = importlib.util.find_spec("grpc") is not None
@@ -52,7 +54,12 @@ H = b"test header"
 
 def env_for(rank: int, size: int, **extra: str) -> dict[str, str]:
     addresses = ",".join(f"127.0.0.1:{5000 + r}" for r in range(size))
-    return {"COLLECTIVES_RANK": str(rank), "COLLECTIVES_WORLD_SIZE": str(size), "COLLECTIVES_ADDRESSES": addresses, **extra}
+    return {
+        "COLLECTIVES_RANK": str(rank),
+        "COLLECTIVES_WORLD_SIZE": str(size),
+        "COLLECTIVES_ADDRESSES": addresses,
+        **extra,
+    }
 
 
 def test_collectives_variables() -> None:
@@ -87,7 +94,10 @@ def test_bad_configuration_names_the_variable(env: dict[str, str], words: list[s
 
 def test_ranks_per_node_and_host_names() -> None:
     assert [wire.load_config(env_for(r, 4, COLLECTIVES_RANKS_PER_NODE="2")).host for r in range(4)] == [
-        "node0", "node0", "node1", "node1"
+        "node0",
+        "node0",
+        "node1",
+        "node1",
     ]
     env = {"COLLECTIVES_RANK": "1", "COLLECTIVES_WORLD_SIZE": "2", "COLLECTIVES_ADDRESSES": "Alpha:1,beta.svc:2"}
     assert wire.load_config(env).host == "beta.svc"
@@ -126,7 +136,7 @@ def test_collectives_variables_take_precedence_over_tf_config() -> None:
         (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}}), ["'ps'", "chief"]),
         (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}), ["index 3"]),
         (json.dumps({"cluster": {"worker": "a:1"}, "task": {"type": "worker", "index": 0}}), ["list"]),
-        (json.dumps({"cluster": {"ps": ["a:1"]}, "task": {"type": "worker", "index": 0}}), ["no \"chief\" or \"worker\""]),
+        (json.dumps({"cluster": {"ps": ["a:1"]}, "task": {"type": "worker", "index": 0}}), ['no "chief" or "worker"']),
     ],
 )
 def test_bad_tf_config(text: str, words: list[str]) -> None:
@@ -173,7 +183,7 @@ def test_frame_round_trip() -> None:
 
 @requires_grpc
 def test_transport_argument_checks() -> None:
-    from backends.grpc import GrpcTransport
+    from collectives.backends.grpc import GrpcTransport
 
     with pytest.raises(ValueError, match="rank must be in 0..1"):
         GrpcTransport(2, ["127.0.0.1:1", "127.0.0.1:2"])
@@ -188,9 +198,11 @@ def test_transport_argument_checks() -> None:
 @requires_grpc
 def test_world_of_one() -> None:
     """A single rank needs no peers: it binds, talks to itself, closes."""
-    from backends.grpc import GrpcTransport
+    from collectives.backends.grpc import GrpcTransport
 
-    transport = GrpcTransport.from_environment({**env_for(0, 1), "COLLECTIVES_ADDRESSES": f"127.0.0.1:{free_ports(1)[0]}"})
+    transport = GrpcTransport.from_environment(
+        {**env_for(0, 1), "COLLECTIVES_ADDRESSES": f"127.0.0.1:{free_ports(1)[0]}"}
+    )
     try:
         out = np.zeros(3)
         transport.isend(np.ones(3), 0, 0, H).wait(5)
@@ -201,11 +213,11 @@ def test_world_of_one() -> None:
 
 
 def test_import_without_grpcio() -> None:
-    """`import backends.grpc` works without grpcio; using it says which extra to install."""
+    """`import collectives.backends.grpc` works without grpcio; using it says which extra to install."""
     code = (
         "import sys; sys.modules['grpc'] = None\n"
-        "import backends.grpc as g\n"
-        "from backends.errors import BackendUnavailableError\n"
+        "import collectives.backends.grpc as g\n"
+        "from collectives.backends.errors import BackendUnavailableError\n"
         "try:\n    g.GrpcTransport(0, ['127.0.0.1:1'])\n"
         "except BackendUnavailableError as e:\n    print('UNAVAILABLE', e)\n"
     )
@@ -226,7 +238,7 @@ def make_world(size: int, **options: Any) -> list[Any]:
 
 
 def _make_world(size: int, **options: Any) -> list[Any]:
-    from backends.grpc import GrpcTransport
+    from collectives.backends.grpc import GrpcTransport
 
     addresses = [f"127.0.0.1:{port}" for port in free_ports(size)]
     transports: list[Any] = [None] * size
@@ -270,7 +282,7 @@ SMALL_CHUNKS = {"size": 2, "options": {"chunk_bytes": 1000}}
 
 @requires_grpc
 def test_endpoint_is_a_transport(world: list[Any]) -> None:
-    from backends.base import Transport
+    from collectives.backends.base import Transport
 
     a, b = world
     assert isinstance(a, Transport)
@@ -472,7 +484,9 @@ def test_bad_arguments(world: list[Any]) -> None:
 
 @requires_grpc
 @pytest.mark.parametrize("world", [{"size": 3, "options": {}}], indirect=True)
-@pytest.mark.parametrize("error, kind", [(MismatchError("shapes differ"), MismatchError), (RuntimeError("user bug"), PeerLostError)])
+@pytest.mark.parametrize(
+    "error, kind", [(MismatchError("shapes differ"), MismatchError), (RuntimeError("user bug"), PeerLostError)]
+)
 def test_abort_reaches_every_peer(world: list[Any], error: BaseException, kind: type) -> None:
     a, b, c = world
     pending_b = b.irecv(np.zeros(1), 2, 0, H)
@@ -521,7 +535,9 @@ def test_close_flushes_what_was_sent(world: list[Any]) -> None:
 
 
 @requires_grpc
-@pytest.mark.parametrize("world", [{"size": 2, "options": {"chunk_bytes": 1000, "max_unmatched_bytes": 5000}}], indirect=True)
+@pytest.mark.parametrize(
+    "world", [{"size": 2, "options": {"chunk_bytes": 1000, "max_unmatched_bytes": 5000}}], indirect=True
+)
 def test_backpressure_keeps_order_and_data(world: list[Any]) -> None:
     """Past the unmatched-data budget the receiver stops reading; nothing is lost or reordered."""
     a, b = world
@@ -540,7 +556,7 @@ def test_backpressure_keeps_order_and_data(world: list[Any]) -> None:
 
 @requires_grpc
 def test_startup_timeout_names_the_missing_ranks() -> None:
-    from backends.grpc import GrpcTransport
+    from collectives.backends.grpc import GrpcTransport
 
     addresses = [f"127.0.0.1:{port}" for port in free_ports(3)]
     start = time.monotonic()
@@ -554,7 +570,7 @@ def test_startup_timeout_names_the_missing_ranks() -> None:
 
 @requires_grpc
 def test_wrong_secret_refuses_to_join() -> None:
-    from backends.grpc import GrpcTransport
+    from collectives.backends.grpc import GrpcTransport
 
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     errors: list[BaseException] = []
@@ -577,7 +593,7 @@ def test_wrong_secret_refuses_to_join() -> None:
 
 @requires_grpc
 def test_binds_only_its_own_address(world: list[Any]) -> None:
-    from backends.grpc import GrpcTransport
+    from collectives.backends.grpc import GrpcTransport
 
     a, _ = world
     port = int(a.addresses[0].rsplit(":", 1)[1])
@@ -591,10 +607,11 @@ class FakeRank:
     """A stranger with the secret, listed as the last rank: answers pings, then sends garbage."""
 
     def __init__(self, address: str, rank: int, size: int, secret: bytes) -> None:
-        import grpc
         from concurrent import futures
 
-        from backends import grpc as transport
+        import grpc
+
+        from collectives.backends import grpc as transport
 
         self.grpc, self.transport_module = grpc, transport
         self.rank, self.size, self.secret = rank, size, secret
@@ -613,7 +630,9 @@ class FakeRank:
             "Stream": grpc.stream_unary_rpc_method_handler(drain, identity, identity),
             "Abort": grpc.unary_unary_rpc_method_handler(lambda r, c: b"", identity, identity),
         }
-        self.server = grpc.server(futures.ThreadPoolExecutor(8), handlers=[grpc.method_handlers_generic_handler(transport.SERVICE, handlers)])
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(8), handlers=[grpc.method_handlers_generic_handler(transport.SERVICE, handlers)]
+        )
         self.server.add_insecure_port(address)
         self.server.start()
 
@@ -625,7 +644,9 @@ class FakeRank:
             (module.SIZE_METADATA_KEY, str(self.size)),
         )
         with grpc.insecure_channel(target) as channel:
-            stream = channel.stream_unary("/collectives.Transport/Stream", request_serializer=lambda d: d, response_deserializer=lambda d: d)
+            stream = channel.stream_unary(
+                "/collectives.Transport/Stream", request_serializer=lambda d: d, response_deserializer=lambda d: d
+            )
             try:
                 stream(iter(frames), metadata=metadata, timeout=10)
                 return "OK"
@@ -636,7 +657,7 @@ class FakeRank:
 @requires_grpc
 def test_malformed_frames_are_refused_and_the_real_ranks_carry_on(caplog: pytest.LogCaptureFixture) -> None:
     """Ranks 0 and 1 are real; rank 2 is a fake that sends malformed frames to rank 0."""
-    from backends.grpc import GrpcTransport
+    from collectives.backends.grpc import GrpcTransport
 
     secret = b"k"
     addresses = [f"127.0.0.1:{port}" for port in free_ports(3)]
@@ -662,7 +683,7 @@ def test_malformed_frames_are_refused_and_the_real_ranks_carry_on(caplog: pytest
             [first, wire.encode_prefix(wire.FLAG_LAST, 2, 10_000, 0) + b"y" * 9990],  # another tag
             [first, wire.encode_prefix(wire.FLAG_LAST, 1, 10_000, 0) + b"y" * 20],  # short message
         ]
-        with caplog.at_level(logging.WARNING, logger="backends.grpc"):
+        with caplog.at_level(logging.WARNING, logger="collectives.backends.grpc"):
             codes = [fake.send_frames(addresses[0], frames) for frames in garbage]
         assert codes == ["INVALID_ARGUMENT"] * len(garbage), codes
         assert "malformed frame" in caplog.text
@@ -680,13 +701,44 @@ def test_malformed_frames_are_refused_and_the_real_ranks_carry_on(caplog: pytest
 
 def make_certificates(directory: Path) -> dict[str, str]:
     """A CA and a certificate for 127.0.0.1 signed by it (openssl CLI)."""
+
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60, cwd=directory)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+    )
     (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
-    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "node.pem", "-days", "1", "-extfile", "ext.cnf")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "node.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "node.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "ext.cnf",
+    )
     return {
         "COLLECTIVES_TLS_CERT": str(directory / "node.pem"),
         "COLLECTIVES_TLS_KEY": str(directory / "node.key"),
@@ -695,7 +747,10 @@ def make_certificates(directory: Path) -> dict[str, str]:
 
 
 @requires_grpc
-@pytest.mark.skipif(not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(os.pathsep)), reason="needs the openssl CLI")
+@pytest.mark.skipif(
+    not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(os.pathsep)),
+    reason="needs the openssl CLI",
+)
 def test_tls_world_and_plaintext_refused(tmp_path: Path) -> None:
     import grpc
 
@@ -725,7 +780,7 @@ def results(world: World) -> list[dict[str, dict[str, Any]]]:
     """Per rank: {scenario: its RESULT fields}."""
     parsed = []
     for output in world.outputs:
-        lines = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+        lines = [json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")]
         parsed.append({fields["scenario"]: fields for fields in lines})
     return parsed
 

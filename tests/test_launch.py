@@ -46,7 +46,10 @@ def test_ranks_get_their_environment_and_prefixed_output(tmp_path: Path) -> None
               "backend", env["COLLECTIVES_BACKEND"], "per-node", env["COLLECTIVES_RANKS_PER_NODE"],
               "secret", len(env["COLLECTIVES_SECRET"]), "addresses", env["COLLECTIVES_ADDRESSES"])
         """,
-        "-n", "3", "--ranks-per-node", "2",
+        "-n",
+        "3",
+        "--ranks-per-node",
+        "2",
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if line.strip())
@@ -77,7 +80,8 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path: Path) ->
             sys.exit(3)
         time.sleep(60)
         """,
-        "-n", "3",
+        "-n",
+        "3",
     )
     elapsed = time.monotonic() - started
     assert result.returncode == 3, result.stdout + result.stderr
@@ -99,7 +103,8 @@ def test_killed_rank_is_reported_as_a_signal(tmp_path: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
         """,
-        "-n", "2",
+        "-n",
+        "2",
     )
     assert result.returncode == 128 + 9
     assert "exited with signal 9" in result.stderr
@@ -118,7 +123,8 @@ def test_rank_raising_without_closing_its_communicator_still_exits(tmp_path: Pat
         comm.allreduce(np.ones(4))
         raise RuntimeError("rank gives up without closing")
         """,
-        "-n", "2",
+        "-n",
+        "2",
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "rank gives up without closing" in result.stderr
@@ -157,7 +163,9 @@ def test_bad_arguments_are_refused(arguments: list[str], message: str) -> None:
     """Nonsense sizes are refused with exit code 2 and a message, before anything starts."""
     result = subprocess.run(
         [sys.executable, "-m", "collectives.launch", *arguments],
-        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
     )
     assert result.returncode == 2
     assert message in result.stderr

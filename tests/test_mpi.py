@@ -16,9 +16,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -99,8 +99,14 @@ def mpirun(
     command = [MPIEXEC, *options, "-n", str(n), sys.executable, *args]
     start = time.monotonic()
     process = subprocess.Popen(
-        command, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        encoding="utf-8", errors="replace", start_new_session=True,
+        command,
+        cwd=ROOT,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        encoding="utf-8",
+        errors="replace",
+        start_new_session=True,
     )
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -125,9 +131,9 @@ def assert_ok(job: Job, n: int, marker: str) -> None:
 
 
 def test_missing_mpi4py_is_a_backend_unavailable_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`import backends.mpi` works without mpi4py; using it names the extra to install."""
-    import backends.mpi as mpi_backend
-    from backends.errors import BackendUnavailableError
+    """`import collectives.backends.mpi` works without mpi4py; using it names the extra to install."""
+    import collectives.backends.mpi as mpi_backend
+    from collectives.backends.errors import BackendUnavailableError
 
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
@@ -216,7 +222,7 @@ def test_killed_peer_ends_the_job(options: tuple[str, ...], tmp_path: Path) -> N
     seconds. By default hydra kills the survivors at once; with -disable-auto-cleanup they usually
     raise PeerLostError or CollectiveTimeoutError first (the module docstring of backends/mpi.py
     says what happens when). A survivor that reports anything reports one of our errors."""
-    from backends.mpi import EXIT_GRACE_SECONDS
+    from collectives.backends.mpi import EXIT_GRACE_SECONDS
 
     job = mpirun(3, str(SCRIPTS / "kill_peer.py"), str(KILL_TIMEOUT), str(tmp_path), options=options)
     assert job.returncode != 0, f"mpiexec exited 0 although a rank was killed:\n{job.output}"

@@ -24,8 +24,12 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 def run_job(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run a job in its own process group; kill that group if it outlives the timeout."""
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, **(env or {})},
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     try:
         output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)

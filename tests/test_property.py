@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from conftest import ALL_ALGORITHMS, DTYPES, assert_identical, assert_reduced, layouts, make_input, valid_ops
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import collectives
-from conftest import ALL_ALGORITHMS, DTYPES, assert_identical, assert_reduced, layouts, make_input, valid_ops
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 """Shapes of up to 3 dimensions, zero-size dimensions and 0-d included."""

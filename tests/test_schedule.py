@@ -1,4 +1,4 @@
-"""Step machines and the one-thread pipeline scheduler (collectives.schedule), with Group.wait_any:
+"""Step machines and the one-thread pipeline scheduler (collectives.core.schedule), with Group.wait_any:
 stage order, overlap, timeouts that name the peer, mismatches, and exact timing on the simulated
 clock."""
 
@@ -8,21 +8,24 @@ import math
 import random
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
-from backends.errors import CollectiveTimeoutError, MismatchError
-from backends.simulated import Cluster, Link, SimulatedTransport, simulate
-from backends.threads import ThreadFabric
-from collectives.group import Group, Pending
-from collectives.schedule import Stage, Steps, Waits, drive, pipeline_steps, run_pipeline
+from collectives.backends.errors import CollectiveTimeoutError, MismatchError
+from collectives.backends.simulated import Cluster, Link, SimulatedTransport, simulate
+from collectives.backends.threads import ThreadFabric
+from collectives.core.group import Group, Pending
+from collectives.core.schedule import Stage, Steps, Waits, drive, pipeline_steps, run_pipeline
 
 TAG = 64
 
 
-def on_threads(body: Callable[[Group], Any], size: int, *, timeout: float = 5.0, headers: dict[int, bytes] | None = None) -> list[Any]:
+def on_threads(
+    body: Callable[[Group], Any], size: int, *, timeout: float = 5.0, headers: dict[int, bytes] | None = None
+) -> list[Any]:
     """Run body(group) on `size` thread ranks; each rank's result or the exception it raised."""
     fabric = ThreadFabric([f"node{rank}" for rank in range(size)])
     outcomes: list[Any] = [None] * size
@@ -133,8 +136,10 @@ def full_sweep_pipeline(stages: list[Stage], blocks: int, windows: list[int]) ->
                 again = True
                 while again:
                     again = False
-                    while started[stage] < blocks and started[stage] < lowest[stage] + windows[stage] and (
-                        stage == 0 or done[stage - 1][started[stage]]
+                    while (
+                        started[stage] < blocks
+                        and started[stage] < lowest[stage] + windows[stage]
+                        and (stage == 0 or done[stage - 1][started[stage]])
                     ):
                         running[stage].append([started[stage], stages[stage](started[stage]), None, 0])
                         started[stage] += 1

@@ -8,13 +8,21 @@ import math
 import pytest
 
 import collectives
-import collectives.tuning
-from backends.simulated import SimulatedTransport, simulate
-from bench.simulated import GRID_GAMMA, GRID_SHAPES, GRID_SIZES, grid_cluster, grid_clusters, grid_summary, run_grid
-from collectives.group import Group
-from collectives.probe import probe_links
-from collectives.selector import Tuning
-from collectives.simulation import RegretCell, regret_grid
+import collectives.selection.tuning
+from collectives.backends.simulated import SimulatedTransport, simulate
+from collectives.bench.simulated import (
+    GRID_GAMMA,
+    GRID_SHAPES,
+    GRID_SIZES,
+    grid_cluster,
+    grid_clusters,
+    grid_summary,
+    run_grid,
+)
+from collectives.core.group import Group
+from collectives.selection.probe import probe_links
+from collectives.selection.selector import Tuning
+from collectives.selection.simulation import RegretCell, regret_grid
 
 
 @pytest.mark.parametrize(("nodes", "per_node", "ratio"), [(2, 4, 10), (4, 4, 100), (1, 8, 10)])
@@ -42,19 +50,23 @@ def grid() -> list[RegretCell]:
     return run_grid()
 
 
-@pytest.mark.parametrize(("nodes", "per_node"), GRID_SHAPES, ids=[f"{n}x{l}" for n, l in GRID_SHAPES])
+@pytest.mark.parametrize(("nodes", "per_node"), GRID_SHAPES, ids=[f"{n}x{per_node}" for n, per_node in GRID_SHAPES])
 def test_auto_is_within_5_percent_of_the_best_algorithm(grid: list[RegretCell], nodes: int, per_node: int) -> None:
     """On every size of the grid and both link ratios, the algorithm the selector picks from the
     probed link costs is simulated within 5% of the fastest candidate (the oracle), and it is one
     of the candidates, all of which completed (none fails for that size or topology)."""
-    clusters = {cluster for _, cluster in grid_clusters() if (cluster.nodes, cluster.ranks_per_node) == (nodes, per_node)}
+    clusters = {
+        cluster for _, cluster in grid_clusters() if (cluster.nodes, cluster.ranks_per_node) == (nodes, per_node)
+    }
     cells = [cell for cell in grid if cell.cluster in clusters]
     assert len(cells) == len(GRID_SIZES) * len(clusters)
     for cell in cells:
         assert cell.choice in cell.simulated and cell.choice != "reference"
         assert all(seconds > 0 for seconds in cell.simulated.values())
     worst = max(cells, key=lambda cell: cell.regret)
-    assert worst.regret <= 0.05, f"auto picked {worst.choice} at {worst.nbytes} B on {worst.cluster}: {dict(worst.simulated)}"
+    assert worst.regret <= 0.05, (
+        f"auto picked {worst.choice} at {worst.nbytes} B on {worst.cluster}: {dict(worst.simulated)}"
+    )
 
 
 def test_grid_summary_names_every_cluster_and_its_largest_regret(grid: list[RegretCell]) -> None:

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from backends.errors import CollectiveTimeoutError, MismatchError
-from backends.simulated import Cluster, Link, RankSteps, SimulatedTransport, simulate, simulate_steps
-from collectives.allreduce import ALLREDUCE_ALGORITHMS
-from collectives.simulation import simulate_allreduce
+from collectives.algorithms.allreduce import ALLREDUCE_ALGORITHMS
+from collectives.backends.errors import CollectiveTimeoutError, MismatchError
+from collectives.backends.simulated import Cluster, Link, RankSteps, SimulatedTransport, simulate, simulate_steps
+from collectives.selection.simulation import simulate_allreduce
 
 H = b"header"
 INTRA = Link(alpha=1e-6, bandwidth=1e9)

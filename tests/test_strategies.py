@@ -12,16 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_processes
 
 import collectives
-import test_processes
 from collectives import MismatchError, run_threads
-from strategies.buckets import plan_buckets
-from strategies.compression import Compression
-from strategies.exchange import BucketExchange
-from strategies.fingerprint import check_same_everywhere
-from strategies.timeline import Timeline, hidden_fraction, load_trace, rank_path
-from strategies.uneven import allgather_rows
+from collectives.strategies.buckets import plan_buckets
+from collectives.strategies.compression import Compression
+from collectives.strategies.exchange import BucketExchange
+from collectives.strategies.fingerprint import check_same_everywhere
+from collectives.strategies.timeline import Timeline, hidden_fraction, load_trace, rank_path
+from collectives.strategies.uneven import allgather_rows
 
 HAS_TF = importlib.util.find_spec("tensorflow") is not None
 needs_tf = pytest.mark.skipif(not HAS_TF, reason="tensorflow not installed (.[tf])")
@@ -156,10 +156,10 @@ def test_timeline_files_are_per_rank_readable_unclosed_and_measure_hidden_commun
 @needs_tf
 def test_tensor_collectives_eagerly_and_in_tf_function() -> None:
     """Two ranks: in one process, the ranks' tf.functions share TensorFlow's inter-op thread pool,
-    and a collective op holds a pool thread until every rank's op runs (see strategies.ops)."""
+    and a collective op holds a pool thread until every rank's op runs (see collectives.strategies.ops)."""
     import tensorflow as tf
 
-    from strategies import allgather, allreduce, broadcast
+    from collectives.strategies import allgather, allreduce, broadcast
 
     def body(comm: collectives.Communicator):
         value = tf.constant([1.0, 2.0]) * (comm.rank + 1)
@@ -186,7 +186,7 @@ def test_tensor_collectives_eagerly_and_in_tf_function() -> None:
 def test_broadcast_variables_copies_model_and_optimizer_state_from_the_root() -> None:
     import keras
 
-    from strategies import broadcast_variables
+    from collectives.strategies import broadcast_variables
 
     def body(comm: collectives.Communicator):
         keras.utils.set_random_seed(comm.rank)
@@ -208,11 +208,13 @@ def test_broadcast_variables_copies_model_and_optimizer_state_from_the_root() ->
 def test_aggregator_averages_dense_gathers_sparse_and_keeps_none() -> None:
     import tensorflow as tf
 
-    from strategies import GradientAggregator
+    from collectives.strategies import GradientAggregator
 
     def body(comm: collectives.Communicator):
         dense = tf.fill([2, 3], float(comm.rank))
-        sparse = tf.IndexedSlices(tf.fill([comm.rank + 1, 2], float(comm.rank + 1)), tf.range(comm.rank + 1), tf.constant([5, 2]))
+        sparse = tf.IndexedSlices(
+            tf.fill([comm.rank + 1, 2], float(comm.rank + 1)), tf.range(comm.rank + 1), tf.constant([5, 2])
+        )
         gathered = GradientAggregator(comm).aggregate([dense, sparse, None])
         densified = GradientAggregator(comm, sparse_as_dense=True, average=False).aggregate([sparse])
         return gathered, densified
@@ -233,12 +235,20 @@ def test_eager_hooks_hand_gradients_over_during_backprop(tmp_path: Path) -> None
     import keras
     import tensorflow as tf
 
-    from strategies import DistributedGradientTape
+    from collectives.strategies import DistributedGradientTape
 
     def body(comm: collectives.Communicator):
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((256,)), *[keras.layers.Dense(256, activation="relu") for _ in range(6)], keras.layers.Dense(1)])
-        tape = DistributedGradientTape(comm=comm, model=model, bucket_bytes=300 << 10, timeline=tmp_path / "trace-{rank}.json")
+        model = keras.Sequential(
+            [
+                keras.Input((256,)),
+                *[keras.layers.Dense(256, activation="relu") for _ in range(6)],
+                keras.layers.Dense(1),
+            ]
+        )
+        tape = DistributedGradientTape(
+            comm=comm, model=model, bucket_bytes=300 << 10, timeline=tmp_path / "trace-{rank}.json"
+        )
         for _ in range(3):
             with tape:
                 loss = tf.reduce_sum(model(tf.ones((1024, 256))))
@@ -256,7 +266,7 @@ def test_eager_hooks_hand_gradients_over_during_backprop(tmp_path: Path) -> None
 
 @needs_tf
 def test_missing_tensorflow_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from strategies import _tensorflow
+    from collectives.strategies import _tensorflow
 
     _tensorflow.tensorflow.cache_clear()
     monkeypatch.setitem(sys.modules, "tensorflow", None)

@@ -1,4 +1,4 @@
-"""`python -m bench.tf_compare`: argument parsing, the reduction of per-rank timings to figures,
+"""`python -m collectives.bench.tf_compare`: argument parsing, the reduction of per-rank timings to figures,
 and the tables, on fake results (no processes, no TensorFlow); plus one end-to-end smoke run of all
 three groups at one tiny size, skipped where TensorFlow, mpi4py or grpcio is missing.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.tf_compare import (
+from collectives.bench.tf_compare import (
     GroupSummary,
     allreduce_table,
     breakdown_table,
@@ -29,7 +29,7 @@ from bench.tf_compare import (
     train_table,
     worker_command,
 )
-from bench.tf_workers import WorkerConfig
+from collectives.bench.tf_workers import WorkerConfig
 
 KIB, MIB = 1 << 10, 1 << 20
 SMOKE_TIMEOUT = 150
@@ -139,10 +139,10 @@ def test_worker_commands() -> None:
     config = WorkerConfig(sizes=(4096,), repeats=1, warmup=0, batch=8)
     assert WorkerConfig.from_json(config.to_json()) == config
     mwms = worker_command("mwms", config, Path("/tmp/x"))
-    assert mwms[1:4] == ["-m", "bench.tf_workers", "mwms"]
+    assert mwms[1:4] == ["-m", "collectives.bench.tf_workers", "mwms"]
     grpc = worker_command("grpc", config, Path("/tmp/x"))
     assert grpc[1:8] == ["-m", "collectives.launch", "-n", "2", "--backend", "grpc", "-m"]
-    assert grpc[8:10] == ["bench.tf_workers", "ours"]
+    assert grpc[8:10] == ["collectives.bench.tf_workers", "ours"]
 
 
 needs = [name for name in ("tensorflow", "mpi4py", "grpc") if importlib.util.find_spec(name) is None]
@@ -153,11 +153,13 @@ def test_end_to_end_smoke(tmp_path: Path) -> None:
     """All three groups at 4 KiB, one repeat, one round: every figure present, nothing wrong."""
     out = tmp_path / "figures.json"
     command = [
-        sys.executable, "-m", "bench.tf_compare",
+        sys.executable, "-m", "collectives.bench.tf_compare",
         "--sizes", "4K", "--repeats", "1", "--warmup", "1", "--rounds", "1", "--batch", "8",
         "--timeout", "120", "--json", str(out),
     ]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT, cwd=Path(__file__).parent.parent)
+    run = subprocess.run(
+        command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT, cwd=Path(__file__).parent.parent
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "All-reduce of a TF tensor" in run.stdout and "Targets:" in run.stdout
     document = json.loads(out.read_text())

@@ -7,15 +7,15 @@ import threading
 import numpy as np
 import pytest
 
-from backends.base import Transport, check_buffer
-from backends.errors import (
+from collectives.backends.base import Transport, check_buffer
+from collectives.backends.errors import (
     CollectiveError,
     MismatchError,
     PeerLostError,
     abort_kind,
     error_from_abort,
 )
-from backends.threads import ThreadFabric, ThreadTransport, node_hosts
+from collectives.backends.threads import ThreadFabric, ThreadTransport, node_hosts
 
 H = b"test header"
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collectives import Topology
-from collectives.layout import even_bounds, segment_items, segments
-from collectives.tree import binary_tree, double_binary_tree
+from collectives.algorithms.tree import binary_tree, double_binary_tree
+from collectives.core.layout import even_bounds, segment_items, segments
 
 TREE_SIZES = list(range(1, 34)) + [63, 64, 65, 100, 128, 255]
 

@@ -30,8 +30,8 @@ sys.path.insert(0, str(HERE.parents[1]))
 def worker(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from backends.grpc import GrpcTransport
     from collectives import Communicator
+    from collectives.backends.grpc import GrpcTransport
 
     comm = Communicator(GrpcTransport.from_environment(), timeout=120)
     rows = []
@@ -50,7 +50,9 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - start)
         cpu_share = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
         wrong = int(np.count_nonzero(out != comm.size))
-        rows.append({"bytes": nbytes, "count": x.size, "median": statistics.median(times), "wrong": wrong, "cpu": cpu_share})
+        rows.append(
+            {"bytes": nbytes, "count": x.size, "median": statistics.median(times), "wrong": wrong, "cpu": cpu_share}
+        )
     if comm.rank == 0:
         print("RESULT " + json.dumps(rows), flush=True)
     comm.close()
@@ -75,7 +77,9 @@ def raw_worker(args: argparse.Namespace) -> None:
         return b""
 
     options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-    handler = grpc.method_handlers_generic_handler("raw", {"Sink": grpc.stream_unary_rpc_method_handler(sink, identity, identity)})
+    handler = grpc.method_handlers_generic_handler(
+        "raw", {"Sink": grpc.stream_unary_rpc_method_handler(sink, identity, identity)}
+    )
     server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler], options=options)
     server.add_insecure_port(addresses[rank])
     server.start()
@@ -96,7 +100,15 @@ def raw_worker(args: argparse.Namespace) -> None:
             while got < nbytes:
                 got += arrived.get()
             times.append(time.perf_counter() - start)
-        rows.append({"bytes": nbytes, "count": nbytes // 4, "median": statistics.median(times[args.warmup:]), "wrong": 0, "cpu": float("nan")})
+        rows.append(
+            {
+                "bytes": nbytes,
+                "count": nbytes // 4,
+                "median": statistics.median(times[args.warmup :]),
+                "wrong": 0,
+                "cpu": float("nan"),
+            }
+        )
     if rank == 0:
         print("RESULT " + json.dumps(rows), flush=True)
     time.sleep(0.5)  # let the peer finish its last exchange before the server goes
@@ -124,24 +136,42 @@ def main() -> int:
 
     from grpc_world import World
 
-    argv = ["--worker", *(["--raw"] if args.raw else []), "--algorithm", args.algorithm, "--iters", str(args.iters), "--warmup", str(args.warmup),
-            "--sizes", ",".join(map(str, args.sizes))]
+    argv = [
+        "--worker",
+        *(["--raw"] if args.raw else []),
+        "--algorithm",
+        args.algorithm,
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+        "--sizes",
+        ",".join(map(str, args.sizes)),
+    ]
     with World(Path(__file__), args.ranks, argv) as world:
         codes = world.wait(timeout=600)
     if any(codes):
         print(world.report(), file=sys.stderr)
         return 1
-    line = next(l for l in world.outputs[0].splitlines() if l.startswith("RESULT "))
-    rows = json.loads(line[len("RESULT "):])
+    line = next(text for text in world.outputs[0].splitlines() if text.startswith("RESULT "))
+    rows = json.loads(line[len("RESULT ") :])
     p = args.ranks
-    what = "plain gRPC streams (ceiling), 1 MiB messages" if args.raw else f"gRPC transport, algorithm={args.algorithm}, float32 sum"
+    what = (
+        "plain gRPC streams (ceiling), 1 MiB messages"
+        if args.raw
+        else f"gRPC transport, algorithm={args.algorithm}, float32 sum"
+    )
     print(f"# {what}, {p} ranks on 127.0.0.1, median of {args.iters} iterations")
-    print(f"{'size':>12} {'count':>10} {'type':>7} {'redop':>5} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'cpu(cores)':>10}")
+    print(
+        f"{'size':>12} {'count':>10} {'type':>7} {'redop':>5} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'cpu(cores)':>10}"
+    )
     for row in rows:
         seconds = row["median"]
         algbw = row["bytes"] / seconds / 1e9
         busbw = algbw * 2 * (p - 1) / p
-        print(f"{row['bytes']:>12} {row['count']:>10} {'float':>7} {'sum':>5} {seconds * 1e6:>10.1f} {algbw:>11.3f} {busbw:>11.3f} {row['wrong']:>6} {row['cpu']:>10.2f}")
+        print(
+            f"{row['bytes']:>12} {row['count']:>10} {'float':>7} {'sum':>5} {seconds * 1e6:>10.1f} {algbw:>11.3f} {busbw:>11.3f} {row['wrong']:>6} {row['cpu']:>10.2f}"
+        )
     return 0
 
 

@@ -14,8 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from collectives.launch import free_loopback_ports
 
@@ -90,7 +90,7 @@ class World:
         self.outputs: list[str] = [""] * size
         self.returncodes: list[int | None] = [None] * size
 
-    def start(self) -> "World":
+    def start(self) -> World:
         order = sorted(range(self.size), key=lambda rank: self.delays.get(rank, 0.0))
         started = time.monotonic()
         for rank in order:
@@ -130,7 +130,8 @@ class World:
     def report(self) -> str:
         """Every rank's exit code and output, for assertion messages."""
         return "\n".join(
-            f"--- rank {rank} (exit {code}) ---\n{output}" for rank, (code, output) in enumerate(zip(self.returncodes, self.outputs))
+            f"--- rank {rank} (exit {code}) ---\n{output}"
+            for rank, (code, output) in enumerate(zip(self.returncodes, self.outputs))
         )
 
     @staticmethod
@@ -151,7 +152,7 @@ class World:
                 except (subprocess.TimeoutExpired, ValueError):
                     pass
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

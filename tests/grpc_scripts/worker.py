@@ -23,12 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from backends.errors import CollectiveError  # noqa: E402
-from backends.grpc import GrpcTransport  # noqa: E402
 from collectives import Communicator  # noqa: E402
+from collectives.backends.errors import CollectiveError  # noqa: E402
+from collectives.backends.grpc import GrpcTransport  # noqa: E402
 
 ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
-COMBOS = (("float32", "sum"), ("float64", "max"), ("float16", "mean"), ("int32", "sum"), ("float32", "mean"), ("int32", "max"))
+COMBOS = (
+    ("float32", "sum"),
+    ("float64", "max"),
+    ("float16", "mean"),
+    ("int32", "sum"),
+    ("float32", "mean"),
+    ("int32", "max"),
+)
 TOLERANCE = {"float16": 4e-3, "float32": 2e-6, "float64": 1e-13}
 
 
@@ -143,15 +150,23 @@ def _intrude(target: str, secret: str | None) -> dict[str, str]:
     """Call the peer's server as a stranger would; return the status code of each attempt."""
     import grpc
 
-    from backends.grpc import RANK_METADATA_KEY, SECRET_METADATA_KEY, SIZE_METADATA_KEY
+    from collectives.backends.grpc import RANK_METADATA_KEY, SECRET_METADATA_KEY, SIZE_METADATA_KEY
 
     identity = lambda data: data  # noqa: E731
     codes: dict[str, str] = {}
     with grpc.insecure_channel(target) as channel:
-        ping = channel.unary_unary("/collectives.Transport/Ping", request_serializer=identity, response_deserializer=identity)
-        stream = channel.stream_unary("/collectives.Transport/Stream", request_serializer=identity, response_deserializer=identity)
-        abort = channel.unary_unary("/collectives.Transport/Abort", request_serializer=identity, response_deserializer=identity)
-        unknown = channel.unary_unary("/collectives.Transport/Nope", request_serializer=identity, response_deserializer=identity)
+        ping = channel.unary_unary(
+            "/collectives.Transport/Ping", request_serializer=identity, response_deserializer=identity
+        )
+        stream = channel.stream_unary(
+            "/collectives.Transport/Stream", request_serializer=identity, response_deserializer=identity
+        )
+        abort = channel.unary_unary(
+            "/collectives.Transport/Abort", request_serializer=identity, response_deserializer=identity
+        )
+        unknown = channel.unary_unary(
+            "/collectives.Transport/Nope", request_serializer=identity, response_deserializer=identity
+        )
 
         def attempt(name: str, call, request, metadata) -> None:
             try:
@@ -164,13 +179,43 @@ def _intrude(target: str, secret: str | None) -> dict[str, str]:
         attempt("ping_no_secret", ping, b"{}", ())
         attempt("ping_wrong_secret", ping, b"{}", ((SECRET_METADATA_KEY, b"wrong"),))
         attempt("stream_no_secret", stream, iter([b"garbage"]), ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")))
-        attempt("abort_wrong_secret", abort, b'{"origin": 0, "kind": "lost", "text": "x"}', ((SECRET_METADATA_KEY, b"nope"),))
+        attempt(
+            "abort_wrong_secret",
+            abort,
+            b'{"origin": 0, "kind": "lost", "text": "x"}',
+            ((SECRET_METADATA_KEY, b"nope"),),
+        )
         if secret is not None:
-            attempt("stream_bad_rank", stream, iter([b"garbage"]), good + ((RANK_METADATA_KEY, "abc"), (SIZE_METADATA_KEY, "2")))
-            attempt("stream_rank_out_of_range", stream, iter([b"garbage"]), good + ((RANK_METADATA_KEY, "99"), (SIZE_METADATA_KEY, "2")))
-            attempt("stream_duplicate_rank", stream, iter([b"\x00" * 100]), good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")))
-            attempt("abort_garbage", abort, b"\xff\xfe not json", good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")))
-            attempt("ping_oversized", ping, b"x" * (17 * 1024 * 1024), good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")))
+            attempt(
+                "stream_bad_rank",
+                stream,
+                iter([b"garbage"]),
+                good + ((RANK_METADATA_KEY, "abc"), (SIZE_METADATA_KEY, "2")),
+            )
+            attempt(
+                "stream_rank_out_of_range",
+                stream,
+                iter([b"garbage"]),
+                good + ((RANK_METADATA_KEY, "99"), (SIZE_METADATA_KEY, "2")),
+            )
+            attempt(
+                "stream_duplicate_rank",
+                stream,
+                iter([b"\x00" * 100]),
+                good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")),
+            )
+            attempt(
+                "abort_garbage",
+                abort,
+                b"\xff\xfe not json",
+                good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")),
+            )
+            attempt(
+                "ping_oversized",
+                ping,
+                b"x" * (17 * 1024 * 1024),
+                good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")),
+            )
             attempt("unknown_method", unknown, b"", good)
     host, port = target.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as raw:  # not even HTTP/2

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from backends.mpi import MPITransport  # noqa: E402
 from collectives import Communicator  # noqa: E402
-from collectives.layout import DEFAULT_SEGMENT_BYTES  # noqa: E402
+from collectives.backends.mpi import MPITransport  # noqa: E402
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES  # noqa: E402
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

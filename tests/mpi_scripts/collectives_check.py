@@ -24,13 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared bodies
 
 import numpy as np  # noqa: E402
+from bodies import DTYPES, OPS, assert_close, rank_input, reference  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from backends.mpi import MPITransport  # noqa: E402
-from bodies import DTYPES, OPS, assert_close, rank_input, reference  # noqa: E402
 from collectives import NATIVE, Communicator, MismatchError  # noqa: E402
+from collectives.backends.mpi import MPITransport  # noqa: E402
 
 ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference", NATIVE)
+
 
 def main() -> int:
     expected_nodes = int(sys.argv[1])

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from backends.mpi import MPITransport  # noqa: E402
 from collectives import CollectiveError, CollectiveTimeoutError, Communicator, PeerLostError  # noqa: E402
+from collectives.backends.mpi import MPITransport  # noqa: E402
 
 TIMEOUT = 1.0
 

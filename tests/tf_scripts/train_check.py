@@ -22,7 +22,13 @@ import numpy as np
 import tensorflow as tf
 
 import collectives
-from strategies import Compression, DistributedGradientTape, broadcast_variables, hidden_fraction, load_trace
+from collectives.strategies import (
+    Compression,
+    DistributedGradientTape,
+    broadcast_variables,
+    hidden_fraction,
+    load_trace,
+)
 
 BATCH_PER_RANK = 8
 STEPS = 4
@@ -36,13 +42,22 @@ def dense_model(seed: int) -> keras.Model:
 def embedding_model(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
-        [keras.Input((4,), dtype="int32"), keras.layers.Embedding(50, 8), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)]
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
     )
 
 
 def batches(sparse: bool, global_batch: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(7)
-    x = rng.integers(0, 50, (STEPS, global_batch, 4)).astype(np.int32) if sparse else rng.normal(size=(STEPS, global_batch, 6)).astype(np.float32)
+    x = (
+        rng.integers(0, 50, (STEPS, global_batch, 4)).astype(np.int32)
+        if sparse
+        else rng.normal(size=(STEPS, global_batch, 6)).astype(np.float32)
+    )
     y = rng.integers(0, 3, (STEPS, global_batch)).astype(np.int32)
     return list(zip(x, y))
 
@@ -88,8 +103,10 @@ def check_case(comm: collectives.Communicator, case: str) -> None:
     broadcast_variables(model.variables, comm=comm)
     compression = Compression.fp16 if case == "fp16" else None
     train(
-        model, [(x[mine], y[mine]) for x, y in data],
-        lambda: DistributedGradientTape(comm=comm, model=model, compression=compression, bucket_bytes=256), graph,
+        model,
+        [(x[mine], y[mine]) for x, y in data],
+        lambda: DistributedGradientTape(comm=comm, model=model, compression=compression, bucket_bytes=256),
+        graph,
     )
     weights = [v.numpy() for v in model.trainable_variables]
     digest = np.frombuffer(hashlib.sha256(b"".join(w.tobytes() for w in weights)).digest(), np.uint8)
@@ -100,7 +117,9 @@ def check_case(comm: collectives.Communicator, case: str) -> None:
     train(reference, data, PlainTape, graph)
     tolerance = 2e-3 if compression else 1e-5
     for got, want, variable in zip(weights, reference.trainable_variables, model.trainable_variables):
-        np.testing.assert_allclose(got, want.numpy(), rtol=tolerance, atol=tolerance, err_msg=f"{case}: {variable.path}")
+        np.testing.assert_allclose(
+            got, want.numpy(), rtol=tolerance, atol=tolerance, err_msg=f"{case}: {variable.path}"
+        )
 
 
 def check_mismatch(comm: collectives.Communicator) -> None:
@@ -127,8 +146,12 @@ def check_overlap(comm: collectives.Communicator, graph: bool) -> None:
     trace = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"collectives-overlap-{os.getppid()}-{graph}-{{rank}}.json")
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
-        [keras.Input((16, 16, 8)), *[keras.layers.Conv2D(32, 3, padding="same", activation="relu") for _ in range(4)],
-         keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)]
+        [
+            keras.Input((16, 16, 8)),
+            *[keras.layers.Conv2D(32, 3, padding="same", activation="relu") for _ in range(4)],
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ]
     )
     data = [(np.ones((64, 16, 16, 8), np.float32), np.zeros(64, np.int32))] * 3
     tape_factory = lambda: DistributedGradientTape(comm=comm, model=model, bucket_bytes=2 << 10, timeline=trace)  # noqa: E731
@@ -140,7 +163,10 @@ def check_overlap(comm: collectives.Communicator, graph: bool) -> None:
     first_bucket = next(e for e in events if e["name"] == "bucket 0" and e["args"]["step"] == last)
     if not first_bucket["ts"] < backprop["ts"] + backprop["dur"]:
         raise AssertionError(f"bucket 0 started after backprop ended: {first_bucket} {backprop}")
-    print(f"rank {comm.rank}: hidden fraction {'graph' if graph else 'eager'} {hidden_fraction(events, last):.2f}", flush=True)
+    print(
+        f"rank {comm.rank}: hidden fraction {'graph' if graph else 'eager'} {hidden_fraction(events, last):.2f}",
+        flush=True,
+    )
 
 
 def main(cases: list[str]) -> int:

@@ -9,12 +9,13 @@ address peers by their index in the group and never see global ranks, tags or cl
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, NamedTuple, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from backends.base import Request, Transport
-from backends.errors import CollectiveError, CollectiveTimeoutError, MismatchError
+from collectives.backends.base import Request, Transport
+from collectives.backends.errors import CollectiveError, CollectiveTimeoutError, MismatchError
 
 SUBTAGS_PER_COLLECTIVE = 64
 """Each collective owns this many consecutive tags, so concurrent message streams never mix."""
@@ -54,7 +55,7 @@ class Group:
         header: bytes,
         deadline: float,
         timeout: float,
-        agreement: "HeaderAgreement | None" = None,
+        agreement: HeaderAgreement | None = None,
     ) -> None:
         self.transport = transport
         self.members = members
@@ -74,23 +75,23 @@ class Group:
     def size(self) -> int:
         return len(self.members)
 
-    def _derive(self, members: tuple[int, ...], tag: int, agreement: "HeaderAgreement | None") -> "Group":
+    def _derive(self, members: tuple[int, ...], tag: int, agreement: HeaderAgreement | None) -> Group:
         return Group(self.transport, members, tag, self.header, self.deadline, self.timeout, agreement)
 
-    def subgroup(self, indices: Sequence[int], subtag: int) -> "Group":
+    def subgroup(self, indices: Sequence[int], subtag: int) -> Group:
         """The sub-group of the given member indices, talking on its own tag."""
         if not 0 <= subtag < HEADER_CHECK_SUBTAG:
             raise ValueError(f"subtag {subtag} outside 0..{HEADER_CHECK_SUBTAG - 1}")
         members = tuple(self.members[i] for i in indices)
         return self._derive(members, self.tag + subtag, self.agreement)
 
-    def with_agreement(self) -> "Group":
+    def with_agreement(self) -> Group:
         """This group, with a `HeaderAgreement` among its members under way."""
         if self.size == 1:
             return self
         return self._derive(self.members, self.tag, HeaderAgreement(self))
 
-    def without_agreement(self) -> "Group":
+    def without_agreement(self) -> Group:
         """This group, waiting plainly (used by the agreement itself)."""
         return self._derive(self.members, self.tag, None)
 

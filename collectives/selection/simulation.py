@@ -1,4 +1,4 @@
-"""Run the library's all-reduce algorithms on the simulated backend (`backends.simulated`).
+"""Run the library's all-reduce algorithms on the simulated backend (`collectives.backends.simulated`).
 
 Each rank runs the algorithm on a bare `Group` of the whole world, without a `Communicator`: no
 header agreement (its empty messages would add about log2(p) alpha to every algorithm alike), no
@@ -7,7 +7,7 @@ nothing. The time of a run is when the last rank finishes; all ranks start at ti
 
 The algorithm runs as its step machine (`allreduce.allreduce_steps`) under `simulate_steps`, every
 rank in one thread: the same code and the same virtual times as running `run_allreduce` on a thread
-per rank under `simulate`, several times faster in real time (see `backends.simulated`).
+per rank under `simulate`, several times faster in real time (see `collectives.backends.simulated`).
 
 `regret_grid` puts the selector to the test: on each cluster it probes the links, lets the selector
 choose per size, and simulates every candidate at every size. The simulations are independent and
@@ -20,25 +20,31 @@ import math
 import multiprocessing
 import os
 import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from backends.simulated import Cluster, RankSteps, SimulatedTransport, SimulationResult, simulate, simulate_steps
-
-from .allreduce import allreduce_steps
-from .costmodel import candidates
-from .group import SUBTAGS_PER_COLLECTIVE, Group, Pending
-from .layout import DEFAULT_SEGMENT_BYTES
-from .ops import ReduceOp
-from .probe import probe_links
-from .schedule import Waits, drive
-from .selector import Selector
-from .topology import LinkCosts, Topology
-
+from collectives.algorithms.allreduce import allreduce_steps
+from collectives.backends.simulated import (
+    Cluster,
+    RankSteps,
+    SimulatedTransport,
+    SimulationResult,
+    simulate,
+    simulate_steps,
+)
+from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group, Pending
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES
+from collectives.core.ops import ReduceOp
+from collectives.core.schedule import Waits, drive
+from collectives.core.topology import LinkCosts, Topology
+from collectives.selection.costmodel import candidates
+from collectives.selection.probe import probe_links
+from collectives.selection.selector import Selector
 
 DEFAULT_MAX_WORKERS = 8
 """Worker processes at most, unless asked for more: a worker probing a 128-rank cluster holds
@@ -226,7 +232,7 @@ def _run_all(calls: Sequence[tuple[Callable[..., Any], tuple]], workers: int | N
     except BrokenProcessPool as error:
         raise RuntimeError(
             "the simulation worker processes died before finishing; a spawned worker re-imports the "
-            "main program, so a script must call this under `if __name__ == \"__main__\":` (or pass workers=1)"
+            'main program, so a script must call this under `if __name__ == "__main__":` (or pass workers=1)'
         ) from error
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .group import Group, Pending
+from collectives.core.group import Group, Pending
 
 PIPELINE_DEPTH = 4
 """Receives kept posted ahead of the one being consumed."""
@@ -56,7 +56,11 @@ class ReduceStream:
         longest = max((hi - lo for lo, hi in self._spans), default=0)
         # From the transport, like any buffer it receives into: on the simulated backend's
         # timing-only runs that costs no memory.
-        self._slots = None if self._fused else group.transport.empty(self._depth * longest, target.dtype).reshape(self._depth, longest)
+        self._slots = (
+            None
+            if self._fused
+            else group.transport.empty(self._depth * longest, target.dtype).reshape(self._depth, longest)
+        )
         self._posted: deque[tuple[Pending, int, int, np.ndarray | None]] = deque()
         self._next_to_post = 0
         self._slot_in_use = False

@@ -15,14 +15,14 @@ agreement's progress, and a failure names rank, peer and tag as a single wait wo
 The pipeline scheduler is itself a generator (`pipeline_steps`, a `Waits`: it yields one `Pending`
 or a list to wait for the first of), so a whole collective can be driven without blocking: `drive`
 runs it on the calling thread with `Group.wait`/`Group.wait_any`, while the simulated backend runs
-the collectives of every rank in one thread on its event queue (`collectives.simulation`).
+the collectives of every rank in one thread on its event queue (`collectives.selection.simulation`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
-from .group import Group, Pending
+from collectives.core.group import Group, Pending
 
 Steps = Generator[Pending, None, None]
 """A step machine: yields what it waits for; resumed once that has completed."""
@@ -124,7 +124,11 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
                 while progress:  # again after a block finished: this stage may start one more
                     progress = False
                     block = started[stage]
-                    while block < blocks and block < lowest[stage] + windows[stage] and (stage == 0 or done[stage - 1][block]):
+                    while (
+                        block < blocks
+                        and block < lowest[stage] + windows[stage]
+                        and (stage == 0 or done[stage - 1][block])
+                    ):
                         machines.append(_Machine(stage, block, stages[stage](block)))
                         block = started[stage] = block + 1
                     for machine in [machine for machine in machines if machine.pending is None]:

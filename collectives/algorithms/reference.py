@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .group import Group
-from .ops import ReduceOp, combine, finalize
-from .schedule import Steps
+from collectives.core.group import Group
+from collectives.core.ops import ReduceOp, combine, finalize
+from collectives.core.schedule import Steps
 
 
 def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> Steps:

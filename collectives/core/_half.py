@@ -263,11 +263,11 @@ def _half_bits(arr: np.ndarray, name: str) -> np.ndarray:
         ValueError: If ``arr`` is not 1-D and C-contiguous.
     """
     if not isinstance(arr, np.ndarray) or arr.dtype != np.float16:
-        raise TypeError(f"{name} must be a float16 numpy array, got {type(arr).__name__} "
-                        f"of dtype {getattr(arr, 'dtype', None)}")
+        raise TypeError(
+            f"{name} must be a float16 numpy array, got {type(arr).__name__} of dtype {getattr(arr, 'dtype', None)}"
+        )
     if arr.ndim != 1 or not arr.flags.c_contiguous:
-        raise ValueError(f"{name} must be 1-D and C-contiguous, got shape {arr.shape} "
-                         f"with strides {arr.strides}")
+        raise ValueError(f"{name} must be 1-D and C-contiguous, got shape {arr.shape} with strides {arr.strides}")
     return arr.view(np.uint16)
 
 

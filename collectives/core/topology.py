@@ -2,7 +2,7 @@
 
 Every rank learns every rank's `host` when its communicator is created, so all ranks build the same
 `Topology` and therefore make the same algorithm decisions. `LinkCosts` are the alpha-beta-gamma
-parameters of the cost model: defaults until `collectives.probe` measures them (identically on
+parameters of the cost model: defaults until `collectives.selection.probe` measures them (identically on
 every rank).
 """
 

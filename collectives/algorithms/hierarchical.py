@@ -52,16 +52,16 @@ leaves the inter-node phase every inter(b)/W at best, and never faster than its 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from .group import Group
-from .layout import DEFAULT_SEGMENT_BYTES, even_bounds
-from .ops import ReduceOp, finalize
-from .ring import ring_allgather_steps, ring_allreduce_steps, ring_reduce_scatter_steps
-from .schedule import Steps, Waits, pipeline_steps
-from .tree import tree_allreduce_steps
+from collectives.algorithms.ring import ring_allgather_steps, ring_allreduce_steps, ring_reduce_scatter_steps
+from collectives.algorithms.tree import tree_allreduce_steps
+from collectives.core.group import Group
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
+from collectives.core.ops import ReduceOp, finalize
+from collectives.core.schedule import Steps, Waits, pipeline_steps
 
 INNER_ALGORITHMS = {"ring": ring_allreduce_steps, "tree": tree_allreduce_steps}
 
@@ -137,14 +137,18 @@ def hierarchical_allreduce_steps(
 
     def reduce_scatter(block: int) -> Steps:
         bounds = chunk_bounds(block)
-        return ring_reduce_scatter_steps(scatter, view(src, block), view(dst, block), op, bounds, segment_bytes=segment_bytes)
+        return ring_reduce_scatter_steps(
+            scatter, view(src, block), view(dst, block), op, bounds, segment_bytes=segment_bytes
+        )
 
     def across(block: int) -> Steps:
         if inter is None:
             return
         bounds = chunk_bounds(block)
         shard = view(dst, block)[bounds[local_rank] : bounds[local_rank + 1]]
-        yield from INNER_ALGORITHMS[inner](inter[block % INTER_WINDOW], shard, shard, sum_only, segment_bytes=segment_bytes)
+        yield from INNER_ALGORITHMS[inner](
+            inter[block % INTER_WINDOW], shard, shard, sum_only, segment_bytes=segment_bytes
+        )
         finalize(op, shard, group.size)
 
     def allgather(block: int) -> Steps:

@@ -35,15 +35,15 @@ run several of them at once on one thread; the plain functions run one to the en
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from .group import Group, Pending
-from .layout import DEFAULT_BLOCK_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds, segment_items, segments
-from .ops import ReduceOp, combine, finalize
-from .pipeline import ReduceStream
-from .schedule import Steps, drive
+from collectives.core.group import Group, Pending
+from collectives.core.layout import DEFAULT_BLOCK_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds, segment_items, segments
+from collectives.core.ops import ReduceOp, combine, finalize
+from collectives.core.pipeline import ReduceStream
+from collectives.core.schedule import Steps, drive
 
 
 def ring_reduce_scatter(

@@ -6,17 +6,17 @@ algorithms on a bare `Group` (the simulator harness, the tuning pass).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from .group import Group
-from .hierarchical import hierarchical_allreduce_steps
-from .ops import ReduceOp
-from .reference import reference_allreduce_steps
-from .ring import ring_allreduce_steps
-from .schedule import Waits, drive
-from .tree import tree_allreduce_steps
+from collectives.algorithms.hierarchical import hierarchical_allreduce_steps
+from collectives.algorithms.reference import reference_allreduce_steps
+from collectives.algorithms.ring import ring_allreduce_steps
+from collectives.algorithms.tree import tree_allreduce_steps
+from collectives.core.group import Group
+from collectives.core.ops import ReduceOp
+from collectives.core.schedule import Waits, drive
 
 ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
 """The library's all-reduce algorithms; they run on every backend."""

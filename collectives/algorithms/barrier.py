@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .group import Group
+from collectives.core.group import Group
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 

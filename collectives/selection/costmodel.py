@@ -35,13 +35,13 @@ they make is within a few percent of the best algorithm (docs/selector.md).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
-from .hierarchical import INTER_WINDOW, pipeline_blocks
-from .layout import DEFAULT_BLOCK_BYTES
-from .topology import LinkCost, LinkCosts, Topology
-from .tree import double_binary_tree
+from collectives.algorithms.hierarchical import INTER_WINDOW, pipeline_blocks
+from collectives.algorithms.tree import double_binary_tree
+from collectives.core.layout import DEFAULT_BLOCK_BYTES
+from collectives.core.topology import LinkCost, LinkCosts, Topology
 
 AUTO_CANDIDATES = ("ring", "tree", "hierarchical", "hierarchical_tree")
 """What `auto` chooses from: never `reference` (it gathers p copies on rank 0) or `native` (no model)."""
@@ -87,7 +87,9 @@ def _ring_link(members: Sequence[int], node: Sequence[int], costs: LinkCosts, co
     if len(leaving) == len(members):  # every edge leaves its node
         return inter
     intra = costs.intra
-    return LinkCost(max(inter.alpha, intra.alpha), max(inter.beta, intra.beta), max(inter.shared_beta, intra.shared_beta))
+    return LinkCost(
+        max(inter.alpha, intra.alpha), max(inter.beta, intra.beta), max(inter.shared_beta, intra.shared_beta)
+    )
 
 
 def _ring_reduce_scatter(p: int, chunk: float, link: LinkCost, gamma: float, segment_bytes: int) -> float:
@@ -108,13 +110,20 @@ def _ring_allreduce(nbytes: float, p: int, link: LinkCost, gamma: float, segment
 
     def one_block(size: float) -> float:
         chunk = size / p
-        return _ring_reduce_scatter(p, chunk, link, gamma, segment_bytes) + _ring_allgather(p, chunk, link, segment_bytes)
+        return _ring_reduce_scatter(p, chunk, link, gamma, segment_bytes) + _ring_allgather(
+            p, chunk, link, segment_bytes
+        )
 
     return full * one_block(block) + (one_block(rest) if rest else 0.0)
 
 
 def _tree_allreduce(
-    nbytes: float, members: Sequence[int], node: Sequence[int], costs: LinkCosts, segment_bytes: int, concurrent: int = 1
+    nbytes: float,
+    members: Sequence[int],
+    node: Sequence[int],
+    costs: LinkCosts,
+    segment_bytes: int,
+    concurrent: int = 1,
 ) -> float:
     """Double binary tree over `members` (global ranks); `concurrent` such trees share the NICs.
 
@@ -225,9 +234,12 @@ def _hierarchical(inner: str) -> Callable[[int, Topology, LinkCosts, int], float
         largest = max(len(ranks) for ranks in nodes)
         blocks = pipeline_blocks(nbytes, len(nodes), largest, shards, segment_bytes)
         shard = nbytes / blocks / shards
-        intra = _ring_reduce_scatter(largest, shard, costs.intra, costs.gamma, segment_bytes) + _ring_allgather(
-            largest, shard, costs.intra, segment_bytes
-        ) if largest > 1 else 0.0
+        intra = (
+            _ring_reduce_scatter(largest, shard, costs.intra, costs.gamma, segment_bytes)
+            + _ring_allgather(largest, shard, costs.intra, segment_bytes)
+            if largest > 1
+            else 0.0
+        )
         leaders = [ranks[0] for ranks in nodes]
         node = topology.node_index
 

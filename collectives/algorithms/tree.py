@@ -33,11 +33,11 @@ import functools
 
 import numpy as np
 
-from .group import Group, Pending
-from .layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
-from .ops import ReduceOp, combine, finalize
-from .pipeline import ReduceStream
-from .schedule import Steps
+from collectives.core.group import Group, Pending
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
+from collectives.core.ops import ReduceOp, combine, finalize
+from collectives.core.pipeline import ReduceStream
+from collectives.core.schedule import Steps
 
 
 @functools.lru_cache(maxsize=256)
@@ -111,9 +111,7 @@ def tree_allreduce_steps(
         return reduce_segment
 
     streams = {
-        (tree, child): ReduceStream(
-            group, child, up_subtag[tree], pieces[tree], dst, reducer(index == 0), fuse=False
-        )
+        (tree, child): ReduceStream(group, child, up_subtag[tree], pieces[tree], dst, reducer(index == 0), fuse=False)
         for tree in (0, 1)
         for index, child in enumerate(trees[tree][1][r])
     }

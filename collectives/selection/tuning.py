@@ -21,17 +21,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._version import __version__
-from .selector import Selector, Tuning
-from .topology import LinkCost, LinkCosts
+from collectives._version import __version__
+from collectives.core.topology import LinkCost, LinkCosts
+from collectives.selection.selector import Selector, Tuning
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from collectives.communicator import Communicator
 
 TUNE_SIZES = (4 << 10, 1 << 20, 64 << 20)
 """One size per regime: latency-bound, in between, bandwidth-bound."""
@@ -51,7 +52,7 @@ def cache_file(directory: str | os.PathLike, fingerprint: str) -> Path:
     return Path(directory) / f"tuning-{fingerprint}.json"
 
 
-def measure(comm: "Communicator", selector: Selector, sizes: Sequence[int], *, rounds: int = ROUNDS) -> Tuning:
+def measure(comm: Communicator, selector: Selector, sizes: Sequence[int], *, rounds: int = ROUNDS) -> Tuning:
     """Time every candidate at each size on `comm` (a collective), interleaved round by round."""
     clock = comm.clock
     ratios: dict[str, list[float | None]] = {a: [None] * len(sizes) for a in selector.candidates}
@@ -93,7 +94,11 @@ def decode(data: bytes, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
             return None
         c = record["costs"]
         costs = LinkCosts(
-            intra=LinkCost(**c["intra"]), inter=LinkCost(**c["inter"]), nic_beta=c["nic_beta"], gamma=c["gamma"], measured=c["measured"]
+            intra=LinkCost(**c["intra"]),
+            inter=LinkCost(**c["inter"]),
+            nic_beta=c["nic_beta"],
+            gamma=c["gamma"],
+            measured=c["measured"],
         )
         t = record["tuning"]
         tuning = Tuning(tuple(t["sizes"]), {a: tuple(r) for a, r in t["ratios"].items()})

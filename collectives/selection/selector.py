@@ -13,11 +13,11 @@ Choices are cached per exact size: after the first call of a size, `choose` is a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
-from .costmodel import candidates, predict
-from .topology import LinkCosts, Topology
+from collectives.core.topology import LinkCosts, Topology
+from collectives.selection.costmodel import candidates, predict
 
 _CACHE_LIMIT = 4096
 

@@ -24,7 +24,7 @@ class ReduceOp(str, enum.Enum):
     PROD = "prod"
 
     @classmethod
-    def parse(cls, op: "str | ReduceOp") -> "ReduceOp":
+    def parse(cls, op: str | ReduceOp) -> ReduceOp:
         """Accept a ReduceOp or its name, case-insensitively, with a clear error otherwise."""
         if isinstance(op, ReduceOp):
             return op
@@ -37,9 +37,7 @@ class ReduceOp(str, enum.Enum):
         raise ValueError(f"unknown reduction op {op!r}; expected one of {names}")
 
 
-REDUCTION_DTYPES = tuple(
-    np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64)
-)
+REDUCTION_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
 
 _UFUNCS = {
     ReduceOp.SUM: np.add,
@@ -72,7 +70,7 @@ def check_reduction(op: ReduceOp, dtype: np.dtype) -> None:
 def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out = a op b elementwise (for `mean` this is the sum; `finalize` divides at the end)."""
     if out.dtype == np.float16:
-        from . import _half  # numba is loaded on the first float16 reduction, not at import
+        from collectives.core import _half  # numba is loaded on the first float16 reduction, not at import
 
         _half.half_reduce(_HALF_KERNEL_NAMES[op], a, b, out)
     else:
@@ -84,7 +82,7 @@ def finalize(op: ReduceOp, buf: np.ndarray, contributors: int) -> None:
     if op is not ReduceOp.MEAN or contributors == 1 or buf.size == 0:
         return
     if buf.dtype == np.float16:
-        from . import _half
+        from collectives.core import _half
 
         _half.half_scale(buf, contributors)
     else:

@@ -27,11 +27,11 @@ import math
 
 import numpy as np
 
-from .barrier import dissemination_barrier
-from .group import Group
-from .ops import ReduceOp, combine
-from .ring import ring_allgather
-from .topology import DEFAULT_LINK_COSTS, LinkCost, LinkCosts, Topology
+from collectives.algorithms.barrier import dissemination_barrier
+from collectives.algorithms.ring import ring_allgather
+from collectives.core.group import Group
+from collectives.core.ops import ReduceOp, combine
+from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCost, LinkCosts, Topology
 
 PROBE_BYTES = 1 << 20
 """Size of the large ping-pong message and of the timed reduction."""
@@ -52,11 +52,15 @@ def probe_links(group: Group, topology: Topology, *, repeats: int = REPEATS) -> 
     nodes = topology.nodes
     tiny = transport.empty(TINY_BYTES, np.uint8)
     large = transport.empty(PROBE_BYTES, np.uint8)
-    for phase, pairs in ((_INTRA, _intra_pairs(nodes)), (_INTER, _inter_pairs(nodes, 1)), (_LOADED, _inter_pairs(nodes, None))):
+    for phase, pairs in (
+        (_INTRA, _intra_pairs(nodes)),
+        (_INTER, _inter_pairs(nodes, 1)),
+        (_LOADED, _inter_pairs(nodes, None)),
+    ):
         peer, leading = _partner(group.rank, pairs)
         for column, buf in enumerate((tiny, large), start=2 * (phase - 1)):
             round_trips = []
-            for repeat in range(repeats + 1):  # the first one is untimed
+            for _ in range(repeats + 1):  # the first one is untimed
                 dissemination_barrier(everyone)  # every pair of the phase starts together...
                 if peer is not None:
                     _exchange(group, tiny, peer, leading, phase)  # ...and both of a pair are here
@@ -68,7 +72,9 @@ def probe_links(group: Group, topology: Topology, *, repeats: int = REPEATS) -> 
     mine[6] = _reduction_seconds(transport, repeats) / PROBE_BYTES
     table = np.empty(group.size * _COLUMNS)
     table[group.rank * _COLUMNS : (group.rank + 1) * _COLUMNS] = mine
-    ring_allgather(group.subgroup(range(group.size), _GATHER_SUBTAG), table, [r * _COLUMNS for r in range(group.size + 1)])
+    ring_allgather(
+        group.subgroup(range(group.size), _GATHER_SUBTAG), table, [r * _COLUMNS for r in range(group.size + 1)]
+    )
     return _link_costs(table.reshape(group.size, _COLUMNS), nodes)
 
 
