@@ -23,7 +23,8 @@ import argparse
 
 import numpy as np
 
-from collectives import ALLREDUCE_ALGORITHMS, NATIVE, REDUCTION_DTYPES
+from collectives import NATIVE, REDUCTION_DTYPES, allreduce_algorithms
+from collectives.algorithms import registry
 from collectives.backends.simulated import Link
 from collectives.core.ops import ReduceOp
 
@@ -31,8 +32,12 @@ from .measure import FIXED_ALGORITHM, SweepSpec
 from .payloads import COLLECTIVES, REDUCING, check_exact
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-DEFAULT_ALLREDUCE = ("ring", "tree", "hierarchical", "hierarchical_tree", "auto")
-"""Every contender; `reference` (the test oracle, all through rank 0) only when asked for."""
+
+
+def default_allreduce() -> tuple[str, ...]:
+    """Every registered algorithm `auto` may choose, and auto; others (the `reference` test oracle,
+    all through rank 0) only when asked for."""
+    return (*registry.contenders(), "auto")
 
 
 class UsageError(ValueError):
@@ -113,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-a",
         "--algorithms",
         default=None,
-        help=f"comma-separated all-reduce algorithms from auto,{','.join(ALLREDUCE_ALGORITHMS)},{NATIVE} "
-        f"(native: MPI only); default {','.join(DEFAULT_ALLREDUCE)} (+native on MPI); the other "
+        help=f"comma-separated all-reduce algorithms from auto,{','.join(allreduce_algorithms())},{NATIVE} "
+        f"(native: MPI only); default {','.join(default_allreduce())} (+native on MPI); the other "
         f"collectives have one algorithm each ({', '.join(f'{c}: {a}' for c, a in FIXED_ALGORITHM.items())})",
     )
     parser.add_argument(
@@ -211,8 +216,8 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     """Check the options against each other and the backend; the `SweepSpec` every rank runs."""
     collective = args.collective
     if collective == "allreduce":
-        default = (*DEFAULT_ALLREDUCE, NATIVE) if args.backend == "mpi" else DEFAULT_ALLREDUCE
-        known = {"auto", NATIVE, *ALLREDUCE_ALGORITHMS}
+        default = (*default_allreduce(), NATIVE) if args.backend == "mpi" else default_allreduce()
+        known = {"auto", NATIVE, *allreduce_algorithms()}
     else:
         default = (FIXED_ALGORITHM[collective],)
         known = set(default)

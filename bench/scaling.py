@@ -18,7 +18,7 @@ Communication hides behind backprop as long as it keeps up; what runs past the e
 exposed. efficiency = T / (T + exposed). The last bucket is ready only at T, so its all-reduce is
 always exposed: that is what keeps even a fast cluster below 100%.
 
-All-reduce times come from the cost model (`collectives.selection.costmodel`, any rank count, microseconds
+All-reduce times come from the cost model (each algorithm's cost function in the registry, `collectives.algorithms.registry`, any rank count, microseconds
 to compute) or from the simulated backend (`collectives.selection.simulation`, the real algorithm code on a
 virtual clock, 12-20 us of real time per message, the runs spread over the machine's CPUs: a 25 MiB
 flat ring all-reduce sends 2p(p-1) messages, about a quarter of a second at 128 ranks and under a
@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from collectives.algorithms.registry import predict
 from collectives.backends.simulated import Cluster, Link
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES
 from collectives.core.topology import LinkCost, LinkCosts, Topology
-from collectives.selection.costmodel import predict
 from collectives.selection.selector import Selector
 from collectives.selection.simulation import simulated_times
 

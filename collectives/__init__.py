@@ -18,6 +18,7 @@ backends are imported when asked for.
 """
 
 from collectives._version import __version__
+from collectives.algorithms.registry import names as allreduce_algorithms
 from collectives.backends.errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -27,13 +28,12 @@ from collectives.backends.errors import (
     PeerLostError,
 )
 from collectives.bootstrap import default_communicator, init
-from collectives.communicator import ALLREDUCE_ALGORITHMS, DEFAULT_TIMEOUT, NATIVE, Communicator, Work
+from collectives.communicator import DEFAULT_TIMEOUT, NATIVE, Communicator, Work
 from collectives.core.ops import REDUCTION_DTYPES, ReduceOp
 from collectives.core.topology import Topology
 from collectives.runner import run_threads
 
 __all__ = [
-    "ALLREDUCE_ALGORITHMS",
     "BackendUnavailableError",
     "CollectiveError",
     "CollectiveTimeoutError",
@@ -48,6 +48,7 @@ __all__ = [
     "Topology",
     "Work",
     "__version__",
+    "allreduce_algorithms",
     "default_communicator",
     "init",
     "run_threads",

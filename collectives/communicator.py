@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from collectives._version import __version__
-from collectives.algorithms.allreduce import ALLREDUCE_ALGORITHMS, run_allreduce
+from collectives.algorithms import registry
 from collectives.algorithms.barrier import dissemination_barrier
 from collectives.algorithms.ring import ring_allgather, ring_reduce_scatter
 from collectives.algorithms.tree import tree_broadcast
@@ -44,6 +44,7 @@ from collectives.backends.errors import CollectiveTimeoutError, CommunicatorBrok
 from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, check_reduction, finalize
+from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Explanation, Selector, Tuning
@@ -170,7 +171,7 @@ class Communicator:
     def algorithms(self) -> tuple[str, ...]:
         """The all-reduce algorithms usable here: the library's, plus "native" if the backend has one."""
         native = (NATIVE,) if self._transport.has_native_allreduce else ()
-        return (*ALLREDUCE_ALGORITHMS, *native)
+        return (*registry.names(), *native)
 
     def clock(self) -> float:
         """Seconds on the clock collectives are timed with (virtual on the simulated backend)."""
@@ -207,7 +208,8 @@ class Communicator:
         Args:
             x: array of any shape; dtype float16/32/64 or int32/64.
             op: "sum", "mean", "max", "min" or "prod".
-            algorithm: "auto" or one of `ALLREDUCE_ALGORITHMS`; the choice is in `last_algorithm`.
+            algorithm: "auto", "native" or a registered algorithm (`algorithms`); the choice is in
+                `last_algorithm`.
             out: array of x's shape and dtype to write into (`out=x` reduces in place).
 
         Returns:
@@ -253,7 +255,10 @@ class Communicator:
                     ) from None
                 finalize(op, target, self.size)
             else:
-                run_allreduce(chosen, group, nodes, flat, target, op, segment_bytes=self.segment_bytes)
+                drive(
+                    group,
+                    registry.allreduce_steps(chosen, group, nodes, flat, target, op, segment_bytes=self.segment_bytes),
+                )
             return _copy_back(result, target)
 
         return self._submit(_header("allreduce", src, algorithm=chosen, op=op.value), run)
@@ -458,14 +463,17 @@ class Communicator:
 
     def _choose_allreduce(self, algorithm: str, nbytes: int) -> str:
         if algorithm != "auto":
-            if algorithm not in (*ALLREDUCE_ALGORITHMS, NATIVE):
-                names = ", ".join(repr(a) for a in ("auto", *ALLREDUCE_ALGORITHMS, NATIVE))
+            if algorithm == NATIVE:
+                if not self._transport.has_native_allreduce:
+                    raise ValueError(
+                        f"algorithm 'native' needs a backend with its own all-reduce (MPI, NCCL); "
+                        f"{type(self._transport).__name__} has none"
+                    )
+            elif algorithm not in registry.names():
+                names = ", ".join(repr(a) for a in ("auto", *registry.names(), NATIVE))
                 raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {names}")
-            if algorithm == NATIVE and not self._transport.has_native_allreduce:
-                raise ValueError(
-                    f"algorithm 'native' needs a backend with its own all-reduce (MPI, NCCL); "
-                    f"{type(self._transport).__name__} has none"
-                )
+            else:
+                registry.runnable(algorithm, self.topology)
             return algorithm
         if self._autotune_pending:
             self._autotune_pending = False

@@ -20,7 +20,7 @@ import pytest
 import collectives
 from collectives import CollectiveError
 
-ALGORITHMS: tuple[str, ...] = tuple(collectives.ALLREDUCE_ALGORITHMS)
+ALGORITHMS: tuple[str, ...] = tuple(collectives.allreduce_algorithms())
 """Named all-reduce algorithms."""
 
 ALL_ALGORITHMS: tuple[str, ...] = ("auto", *ALGORITHMS)

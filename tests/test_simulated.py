@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from collectives.algorithms.allreduce import ALLREDUCE_ALGORITHMS
+from collectives import allreduce_algorithms
 from collectives.backends.errors import CollectiveTimeoutError, MismatchError
 from collectives.backends.simulated import Cluster, Link, RankSteps, SimulatedTransport, simulate, simulate_steps
 from collectives.selection.simulation import simulate_allreduce
@@ -71,7 +71,7 @@ def test_reductions_are_charged_gamma_per_byte() -> None:
     assert run.time == pytest.approx(1000 * 1e-9)
 
 
-@pytest.mark.parametrize("algorithm", ALLREDUCE_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", allreduce_algorithms())
 def test_real_algorithms_reduce_correctly_and_deterministically(algorithm: str) -> None:
     """Every algorithm gives the exact sum on an uneven-sized cluster, and two runs take the same
     virtual time to the last bit."""
@@ -106,7 +106,7 @@ def test_1024_ranks_on_one_thread() -> None:
     assert 2 * 1023 * 2 <= run.messages <= 2 * 1024 * 4  # up and down both trees, a few segments
 
 
-@pytest.mark.parametrize("algorithm", ALLREDUCE_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", allreduce_algorithms())
 @pytest.mark.parametrize(("nodes", "per_node", "nbytes"), [(2, 3, 4004), (3, 2, 3 << 16), (2, 4, 1 << 20)])
 def test_one_thread_driver_matches_a_thread_per_rank(algorithm: str, nodes: int, per_node: int, nbytes: int) -> None:
     """Generators on one thread and a blocking thread per rank give the same results, virtual

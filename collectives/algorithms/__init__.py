@@ -1,4 +1,10 @@
-"""The collective algorithms, one module each, and the registry that lists them.
+"""The collective algorithms, one module each, and the registry that lists the all-reduces.
 
-Algorithms import only `collectives.core`; they never import selection code or the front end.
+Algorithms import only `collectives.core` and the registry; they never import selection code or
+the front end. Importing this package registers the library's all-reduce algorithms, in the order
+`auto` breaks ties in: ring, tree, hierarchical, hierarchical_tree, reference.
 """
+
+from collectives.algorithms import hierarchical, reference, ring, tree
+
+__all__ = ["hierarchical", "reference", "ring", "tree"]

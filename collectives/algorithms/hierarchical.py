@@ -53,15 +53,26 @@ leaves the inter-node phase every inter(b)/W at best, and never faster than its 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
-from collectives.algorithms.ring import ring_allgather_steps, ring_allreduce_steps, ring_reduce_scatter_steps
-from collectives.algorithms.tree import tree_allreduce_steps
+from collectives.algorithms.registry import AllReduceAlgorithm, register
+from collectives.algorithms.ring import (
+    ring_allgather_cost,
+    ring_allgather_steps,
+    ring_allreduce_cost,
+    ring_allreduce_steps,
+    ring_link,
+    ring_reduce_scatter_cost,
+    ring_reduce_scatter_steps,
+)
+from collectives.algorithms.tree import tree_allreduce_cost, tree_allreduce_steps
 from collectives.core.group import Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, finalize
 from collectives.core.schedule import Steps, Waits, pipeline_steps
+from collectives.core.topology import LinkCosts, Topology
 
 INNER_ALGORITHMS = {"ring": ring_allreduce_steps, "tree": tree_allreduce_steps}
 
@@ -155,3 +166,79 @@ def hierarchical_allreduce_steps(
         return ring_allgather_steps(gather, view(dst, block), chunk_bounds(block), segment_bytes=segment_bytes)
 
     return pipeline_steps([reduce_scatter, across, allgather], blocks, (1, INTER_WINDOW, 1))
+
+
+# -- cost -------------------------------------------------------------------------------------------
+
+
+def _across_cost(
+    inner: str,
+    nbytes: float,
+    leaders: Sequence[int],
+    node: Sequence[int],
+    costs: LinkCosts,
+    shards: int,
+    segment_bytes: int,
+) -> float:
+    """Seconds of the inter-node phase on one block: `shards` `inner` all-reduces of `nbytes` at once
+    over the nodes (`leaders`: one rank per node), sharing each node's NIC."""
+    if inner == "ring":
+        link = ring_link(leaders, node, costs, concurrent=shards)
+        return ring_allreduce_cost(nbytes, len(leaders), link, costs.gamma, segment_bytes)
+    return tree_allreduce_cost(nbytes, leaders, node, costs, segment_bytes, concurrent=shards)
+
+
+def hierarchical_cost(inner: str, nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes: int) -> float:
+    """Seconds of `hierarchical_allreduce_steps` (see the module docstring for the formula): the
+    blocks and shards are cut by `pipeline_blocks`, as the code cuts them."""
+    nodes = topology.nodes
+    shards = min(len(ranks) for ranks in nodes)
+    largest = max(len(ranks) for ranks in nodes)
+    blocks = pipeline_blocks(nbytes, len(nodes), largest, shards, segment_bytes)
+    shard = nbytes / blocks / shards
+    intra = 0.0
+    if largest > 1:
+        intra = ring_reduce_scatter_cost(largest, shard, costs.intra, costs.gamma, segment_bytes)
+        intra += ring_allgather_cost(largest, shard, costs.intra, segment_bytes)
+    leaders = [ranks[0] for ranks in nodes]
+    node = topology.node_index
+    between = _across_cost(inner, shard, leaders, node, costs, shards, segment_bytes)
+    window = min(INTER_WINDOW, blocks)
+    bytes_only = _across_cost(
+        inner, shard, leaders, node, replace(costs, inter=replace(costs.inter, alpha=0.0)), shards, segment_bytes
+    )
+    period = max(between / window, bytes_only)
+    return intra + between + (blocks - 1) * max(intra, period)
+
+
+def _register(name: str, inner: str, summary: str) -> None:
+    def steps(
+        group: Group, nodes: Sequence[Sequence[int]], src: np.ndarray, dst: np.ndarray, op: ReduceOp, segment_bytes: int
+    ) -> Waits:
+        return hierarchical_allreduce_steps(group, nodes, src, dst, op, inner=inner, segment_bytes=segment_bytes)
+
+    def cost(nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes: int) -> float:
+        return hierarchical_cost(inner, nbytes, topology, costs, segment_bytes)
+
+    register(
+        AllReduceAlgorithm(
+            name=name,
+            summary=summary,
+            steps=steps,
+            cost=cost,
+            auto_candidate=lambda topology: topology.is_hierarchical,  # elsewhere it is a flat one
+        )
+    )
+
+
+_register(
+    "hierarchical",
+    "ring",
+    "reduce-scatter inside each node, ring all-reduce of the shards across nodes, all-gather inside; "
+    "pipelined over blocks (auto: on several nodes with several ranks)",
+)
+_register(
+    "hierarchical_tree",
+    "tree",
+    "the same, with the double tree across nodes (auto: on several nodes with several ranks)",
+)

@@ -8,11 +8,15 @@ Cost for n bytes on p ranks: 2 (p-1) alpha + 2 (p-1) n beta + (p-1) n gamma, all
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from collectives.algorithms.registry import AllReduceAlgorithm, register
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp, combine, finalize
 from collectives.core.schedule import Steps
+from collectives.core.topology import LinkCosts, Topology
 
 
 def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> Steps:
@@ -32,3 +36,26 @@ def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op
         combine(op, dst, contribution, out=dst)
     finalize(op, dst, p)
     yield from [group.isend(dst, peer) for peer in range(1, p)]
+
+
+def _reference_cost(nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes: int) -> float:
+    p = topology.size
+    link = costs.inter if topology.num_nodes > 1 else costs.intra
+    return 2 * (p - 1) * link.time(nbytes) + (p - 1) * nbytes * costs.gamma
+
+
+def _reference_steps(
+    group: Group, nodes: Sequence[Sequence[int]], src: np.ndarray, dst: np.ndarray, op: ReduceOp, segment_bytes: int
+) -> Steps:
+    return reference_allreduce_steps(group, src, dst, op)
+
+
+register(
+    AllReduceAlgorithm(
+        name="reference",
+        summary="gather on rank 0, reduce in rank order, send back: the test oracle",
+        steps=_reference_steps,
+        cost=_reference_cost,
+        auto_candidate=None,  # gathers p copies on rank 0
+    )
+)

@@ -39,11 +39,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from collectives.algorithms.registry import AllReduceAlgorithm, register
 from collectives.core.group import Group, Pending
-from collectives.core.layout import DEFAULT_BLOCK_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds, segment_items, segments
+from collectives.core.layout import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_SEGMENT_BYTES,
+    even_bounds,
+    segment_items,
+    segments,
+    stream_pieces,
+)
 from collectives.core.ops import ReduceOp, combine, finalize
 from collectives.core.pipeline import ReduceStream
 from collectives.core.schedule import Steps, drive
+from collectives.core.topology import LinkCost, LinkCosts, Topology
 
 
 def ring_reduce_scatter(
@@ -139,6 +148,13 @@ def ring_allgather_steps(
     yield from sends
 
 
+def ring_block_bytes(ranks: int, segment_bytes: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> int:
+    """Bytes per block of a ring all-reduce: `block_bytes`, but at least one segment per rank, since
+    with many ranks a fixed block would cut every step into tiny, latency-bound messages (4 MiB over
+    128 ranks is 32 KiB per step). The code and the cost function both cut by this rule."""
+    return max(block_bytes, ranks * segment_bytes)
+
+
 def ring_allreduce_steps(
     group: Group,
     src: np.ndarray,
@@ -150,15 +166,91 @@ def ring_allreduce_steps(
 ) -> Steps:
     """dst = op over all members of src (1-D, same length everywhere); `src` may be `dst`.
 
-    A step machine (`schedule`); `schedule.drive` runs it blocking. A block holds at least one
-    segment per member: with many members a fixed block would cut every step into tiny,
-    latency-bound messages (4 MiB over 128 ranks is 32 KiB per step).
+    A step machine (`schedule`); `schedule.drive` runs it blocking. The buffer is all-reduced in
+    blocks of `ring_block_bytes`.
     """
-    block_bytes = max(block_bytes, group.size * segment_bytes)
-    for lo, hi in segments(0, src.size, segment_items(src.itemsize, block_bytes)):
+    block = ring_block_bytes(group.size, segment_bytes, block_bytes)
+    for lo, hi in segments(0, src.size, segment_items(src.itemsize, block)):
         block_src, block_dst = src[lo:hi], dst[lo:hi]
         bounds = even_bounds(block_src.size, group.size)
         yield from ring_reduce_scatter_steps(group, block_src, block_dst, op, bounds, segment_bytes=segment_bytes)
         own = group.rank
         finalize(op, block_dst[bounds[own] : bounds[own + 1]], group.size)
         yield from ring_allgather_steps(group, block_dst, bounds, segment_bytes=segment_bytes)
+
+
+# -- cost -------------------------------------------------------------------------------------------
+
+
+def ring_link(members: Sequence[int], node: Sequence[int], costs: LinkCosts, concurrent: int = 1) -> LinkCost:
+    """The slowest link of a ring over `members` (global ranks, in ring order); `node[rank]` is
+    each rank's node.
+
+    `concurrent` rings run at once over the same nodes (the shards of the hierarchical algorithm),
+    so the k ring edges leaving a node share its NIC with the other rings' edges.
+    """
+    leaving: dict[int, int] = {}
+    for index, rank in enumerate(members):
+        nxt = members[(index + 1) % len(members)]
+        if node[rank] != node[nxt]:
+            leaving[node[rank]] = leaving.get(node[rank], 0) + 1
+    if not leaving:
+        return costs.intra
+    inter = costs.inter_flow(concurrent * max(leaving.values()))
+    if len(leaving) == len(members):  # every edge leaves its node
+        return inter
+    intra = costs.intra
+    return LinkCost(
+        max(inter.alpha, intra.alpha), max(inter.beta, intra.beta), max(inter.shared_beta, intra.shared_beta)
+    )
+
+
+def ring_reduce_scatter_cost(ranks: int, chunk: float, link: LinkCost, gamma: float, segment_bytes: int) -> float:
+    """Seconds of `ring_reduce_scatter_steps` with chunks of `chunk` bytes: p-1 steps, each a
+    stream of segments that are received and reduced."""
+    count, piece = stream_pieces(chunk, segment_bytes)
+    return (ranks - 1) * (count * link.time(piece) + piece * gamma)
+
+
+def ring_allgather_cost(ranks: int, chunk: float, link: LinkCost, segment_bytes: int) -> float:
+    """Seconds of `ring_allgather_steps` with chunks of `chunk` bytes."""
+    count, piece = stream_pieces(chunk, segment_bytes)
+    return (ranks - 1) * count * link.time(piece)
+
+
+def ring_allreduce_cost(nbytes: float, ranks: int, link: LinkCost, gamma: float, segment_bytes: int) -> float:
+    """Seconds of `ring_allreduce_steps` on `ranks` ranks paced by `link`: per block, a
+    reduce-scatter then an all-gather of chunk = block / p."""
+    if ranks == 1:
+        return 0.0
+    block = ring_block_bytes(ranks, segment_bytes)
+    full, rest = divmod(nbytes, block)
+
+    def one_block(size: float) -> float:
+        chunk = size / ranks
+        return ring_reduce_scatter_cost(ranks, chunk, link, gamma, segment_bytes) + ring_allgather_cost(
+            ranks, chunk, link, segment_bytes
+        )
+
+    return full * one_block(block) + (one_block(rest) if rest else 0.0)
+
+
+def _ring_cost(nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes: int) -> float:
+    link = ring_link(range(topology.size), topology.node_index, costs)
+    return ring_allreduce_cost(nbytes, topology.size, link, costs.gamma, segment_bytes)
+
+
+def _ring_steps(
+    group: Group, nodes: Sequence[Sequence[int]], src: np.ndarray, dst: np.ndarray, op: ReduceOp, segment_bytes: int
+) -> Steps:
+    return ring_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes)
+
+
+register(
+    AllReduceAlgorithm(
+        name="ring",
+        summary="reduce-scatter then all-gather around a ring, pipelined in segments; bandwidth-optimal",
+        steps=_ring_steps,
+        cost=_ring_cost,
+    )
+)

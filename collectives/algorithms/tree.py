@@ -30,14 +30,20 @@ go to the ring.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
+from collectives.algorithms.registry import AllReduceAlgorithm, register
 from collectives.core.group import Group, Pending
-from collectives.core.layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES, segment_items, segments, stream_pieces
 from collectives.core.ops import ReduceOp, combine, finalize
 from collectives.core.pipeline import ReduceStream
 from collectives.core.schedule import Steps
+from collectives.core.topology import LinkCost, LinkCosts, Topology
+
+P = TypeVar("P")
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,6 +78,18 @@ def double_binary_tree(size: int) -> tuple[tuple, tuple]:
     return (parents, children), (tuple(second_parents), tuple(second_children))
 
 
+def alternate_trees(pieces: Sequence[Sequence[P]]) -> list[tuple[int, P]]:
+    """(tree, piece) in the order every rank processes them: the two trees alternate segment by
+    segment, so each rank's links in both trees stay busy. The code and the cost function both
+    follow this order."""
+    return [
+        (tree, pieces[tree][k])
+        for k in range(max(len(pieces[0]), len(pieces[1])))
+        for tree in (0, 1)
+        if k < len(pieces[tree])
+    ]
+
+
 def tree_allreduce_steps(
     group: Group,
     src: np.ndarray,
@@ -93,13 +111,7 @@ def tree_allreduce_steps(
     half = src.size // 2
     per_segment = segment_items(src.itemsize, segment_bytes)
     pieces = [segments(0, half, per_segment), segments(half, src.size, per_segment)]
-    # Alternate the trees segment by segment: (tree, lo, hi) in the order every rank processes.
-    order = [
-        (tree, *pieces[tree][k])
-        for k in range(max(len(pieces[0]), len(pieces[1])))
-        for tree in (0, 1)
-        if k < len(pieces[tree])
-    ]
+    order = [(tree, lo, hi) for tree, (lo, hi) in alternate_trees(pieces)]
     up_subtag, down_subtag = (0, 1), (2, 3)
 
     # Reduce: combine the children's partial results into dst, pass them to the parent. The
@@ -168,3 +180,127 @@ def tree_broadcast(
         for child in children[virtual]:
             sends.append(group.isend(buf[lo:hi], real(child)))
     group.waitall(sends)
+
+
+# -- cost -------------------------------------------------------------------------------------------
+
+
+def tree_allreduce_cost(
+    nbytes: float,
+    members: Sequence[int],
+    node: Sequence[int],
+    costs: LinkCosts,
+    segment_bytes: int,
+    concurrent: int = 1,
+) -> float:
+    """Seconds of `tree_allreduce_steps` over `members` (global ranks; `node[rank]` is each rank's
+    node); `concurrent` such trees share the NICs (the shards of the hierarchical algorithm).
+
+    Each rank handles the two trees' segments strictly in turn (`alternate_trees`), so a rank's
+    progress in one tree waits for its progress in the other, and the pipeline's period is a cycle
+    of hops that zigzags between the trees rather than one hop. No closed form follows that well,
+    so the program itself is timed (`_time_tree_program`) for one to three segments per tree, and
+    longer streams are extrapolated from the last period, which is constant from then on.
+    """
+    p = len(members)
+    if p == 1:
+        return 0.0
+    count, piece = stream_pieces(nbytes / 2, segment_bytes)
+    trees = double_binary_tree(p)
+    # A rank sends one message at a time, so a node's NIC carries at most one flow per rank of
+    # the node that has a tree edge to another node.
+    senders: dict[int, set[int]] = {}
+    for parents, _ in trees:
+        for child, parent in enumerate(parents):
+            if parent is not None and node[members[child]] != node[members[parent]]:
+                for a in (child, parent):
+                    senders.setdefault(node[members[a]], set()).add(a)
+    inter = costs.inter_flow(concurrent * max((len(s) for s in senders.values()), default=1))
+
+    def link(a: int, b: int) -> LinkCost:
+        return inter if node[members[a]] != node[members[b]] else costs.intra
+
+    if count <= 3:
+        return _time_tree_program(trees, link, piece, costs.gamma, count)
+    two, three = (_time_tree_program(trees, link, piece, costs.gamma, k) for k in (2, 3))
+    return three + (count - 3) * (three - two)
+
+
+def _time_tree_program(
+    trees: tuple, link: Callable[[int, int], LinkCost], piece: float, gamma: float, count: int
+) -> float:
+    """Time `tree_allreduce_steps`' program with `count` segments of `piece` bytes per tree.
+
+    Every rank runs the step machine's program in order (receive and reduce each child's segment,
+    send to the parent; after all sends are done, receive from the parent and forward to the
+    children); a rank's sends leave one after another from its send port; a message arrives
+    alpha + m beta after it leaves. Ranks are advanced in turn until each has run its whole program.
+    """
+    p = len(trees[0][0])
+    order = alternate_trees([range(count), range(count)])
+    programs: list[list[tuple]] = []
+    for rank in range(p):
+        ops: list[tuple] = []
+        for tree, k in order:
+            parents, children = trees[tree]
+            for child in children[rank]:
+                ops.append(("recv", ("up", tree, k, child)))
+                ops.append(("compute", piece * gamma))
+            if parents[rank] is not None:
+                ops.append(("send", ("up", tree, k, rank), link(rank, parents[rank])))
+        ops.append(("drain",))
+        for tree, k in order:
+            parents, children = trees[tree]
+            if parents[rank] is not None:
+                ops.append(("recv", ("down", tree, k, rank)))
+            for child in children[rank]:
+                ops.append(("send", ("down", tree, k, child), link(rank, child)))
+        ops.append(("drain",))
+        programs.append(ops)
+    arrival: dict[tuple, float] = {}
+    clock = [0.0] * p
+    port = [0.0] * p
+    position = [0] * p
+    unfinished = p
+    while unfinished:
+        for rank in range(p):
+            ops = programs[rank]
+            at = position[rank]
+            while at < len(ops):
+                op = ops[at]
+                if op[0] == "recv":
+                    if op[1] not in arrival:
+                        break
+                    clock[rank] = max(clock[rank], arrival[op[1]])
+                elif op[0] == "send":
+                    port[rank] = max(clock[rank], port[rank]) + op[2].time(piece)
+                    arrival[op[1]] = port[rank]
+                elif op[0] == "compute":
+                    clock[rank] += op[1]
+                else:
+                    clock[rank] = max(clock[rank], port[rank])
+                at += 1
+            if at == len(ops) and position[rank] < len(ops):
+                unfinished -= 1
+            position[rank] = at
+    return max(clock)
+
+
+def _tree_cost(nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes: int) -> float:
+    return tree_allreduce_cost(nbytes, range(topology.size), topology.node_index, costs, segment_bytes)
+
+
+def _tree_steps(
+    group: Group, nodes: Sequence[Sequence[int]], src: np.ndarray, dst: np.ndarray, op: ReduceOp, segment_bytes: int
+) -> Steps:
+    return tree_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes)
+
+
+register(
+    AllReduceAlgorithm(
+        name="tree",
+        summary="reduce up and broadcast down two complementary binary trees (NCCL's double tree); logarithmic latency",
+        steps=_tree_steps,
+        cost=_tree_cost,
+    )
+)

@@ -5,6 +5,8 @@ Every rank must cut a buffer identically, so these are pure functions of sizes o
 
 from __future__ import annotations
 
+import math
+
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
 """Pipelining granularity: small enough to stay in cache, large enough to amortise per-message cost."""
 
@@ -30,6 +32,13 @@ def even_bounds(count: int, parts: int) -> list[int]:
 def segments(lo: int, hi: int, segment_items: int) -> list[tuple[int, int]]:
     """Split [lo, hi) into consecutive pieces of at most `segment_items` items."""
     return [(start, min(start + segment_items, hi)) for start in range(lo, hi, segment_items)]
+
+
+def stream_pieces(nbytes: float, segment_bytes: int) -> tuple[int, float]:
+    """(messages, bytes per message) of a stream of `nbytes` cut as `segments` cuts it: what a
+    cost function counts where the code calls `segments`."""
+    count = max(1, math.ceil(nbytes / segment_bytes))
+    return count, nbytes / count
 
 
 def segment_items(itemsize: int, segment_bytes: int) -> int:

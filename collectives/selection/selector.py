@@ -1,6 +1,7 @@
 """`Selector`: what `algorithm="auto"` resolves to, per message size.
 
-It predicts every candidate's time with the cost model (`costmodel`), multiplies each prediction by
+It predicts the time of every candidate the algorithm registry offers for the topology with the
+algorithm's own cost function (`collectives.algorithms.registry`), multiplies each prediction by
 a measured correction if a tuning pass ran (`Tuning`), and picks the smallest. Everything it uses
 (topology, link costs, tuning) is identical on every rank (probes and tuning all-gather or
 broadcast their numbers), and the computation is deterministic, so every rank picks the same
@@ -16,8 +17,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from collectives.algorithms.registry import auto_candidates, predict
 from collectives.core.topology import LinkCosts, Topology
-from collectives.selection.costmodel import candidates, predict
 
 _CACHE_LIMIT = 4096
 
@@ -97,7 +98,7 @@ class Selector:
         self.costs = costs
         self.segment_bytes = segment_bytes
         self.tuning = tuning
-        self.candidates = candidates(topology)
+        self.candidates = auto_candidates(topology)
         self._chosen: dict[int, str] = {}
 
     def predictions(self, nbytes: int) -> dict[str, float]:

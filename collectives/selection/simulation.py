@@ -5,8 +5,8 @@ header agreement (its empty messages would add about log2(p) alpha to every algo
 communication thread, and buffers from `SimulatedTransport.empty`, so timing-only runs allocate
 nothing. The time of a run is when the last rank finishes; all ranks start at time 0.
 
-The algorithm runs as its step machine (`allreduce.allreduce_steps`) under `simulate_steps`, every
-rank in one thread: the same code and the same virtual times as running `run_allreduce` on a thread
+The algorithm runs as its step machine (`registry.allreduce_steps`) under `simulate_steps`, every
+rank in one thread: the same code and the same virtual times as driving it blocking (`schedule.drive`) on a thread
 per rank under `simulate`, several times faster in real time (see `collectives.backends.simulated`).
 
 `regret_grid` puts the selector to the test: on each cluster it probes the links, lets the selector
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from collectives.algorithms.allreduce import allreduce_steps
+from collectives.algorithms.registry import allreduce_steps, auto_candidates
 from collectives.backends.simulated import (
     Cluster,
     RankSteps,
@@ -42,7 +42,6 @@ from collectives.core.layout import DEFAULT_SEGMENT_BYTES
 from collectives.core.ops import ReduceOp
 from collectives.core.schedule import Waits, drive
 from collectives.core.topology import LinkCosts, Topology
-from collectives.selection.costmodel import candidates
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Selector
 
@@ -66,7 +65,7 @@ def simulate_allreduce(
 
     With `timing_only=False` every rank reduces real data (rank r contributes r + 1 everywhere)
     and returns its result, so correctness can be checked too. With `threaded=True` each rank waits
-    for its operations blocking, as `run_allreduce` does, on its own thread under `simulate`: the
+    for its operations blocking, as `schedule.drive` does, on its own thread under `simulate`: the
     same virtual times, far slower; what the one-thread driver is checked and benchmarked against.
     """
     itemsize = np.dtype(dtype).itemsize
@@ -185,7 +184,7 @@ def regret_grid(
 
     Probes and simulations share `workers` processes, as in `simulated_times`.
     """
-    jobs = _biggest_first((c, a, n) for c in clusters for a in candidates(Topology(c.hosts)) for n in sizes)
+    jobs = _biggest_first((c, a, n) for c in clusters for a in auto_candidates(Topology(c.hosts)) for n in sizes)
     calls: list[tuple[Callable[..., Any], tuple]] = [(probe_cluster, (c,)) for c in clusters]
     calls += [(_simulated_time, (*job, segment_bytes)) for job in jobs]
     results = _run_all(calls, workers)

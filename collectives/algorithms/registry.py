@@ -1,0 +1,159 @@
+"""The all-reduce algorithm registry: the one list of algorithms everything else reads.
+
+Each algorithm module ends with one `register(AllReduceAlgorithm(...))` naming its step machine, its
+cost function (built from the same segmentation rule as its code, so the model cannot drift from
+what runs), and where it applies. Dispatch (`allreduce_steps`), `algorithm="auto"` and `explain()`
+(`collectives.selection.selector`), the simulator harness, `python -m bench -a` and the algorithm
+table in docs/architecture.md all read this registry; nothing else lists algorithm names.
+
+Adding an algorithm is one new module that registers itself, imported once before use::
+
+    register(AllReduceAlgorithm(
+        name="halving_doubling",
+        summary="recursive halving reduce-scatter, recursive doubling all-gather",
+        steps=halving_doubling_steps,          # (group, nodes, src, dst, op, segment_bytes) -> Steps
+        cost=halving_doubling_cost,            # (nbytes, topology, costs, segment_bytes) -> seconds
+        runs_on=lambda topology: topology.size & (topology.size - 1) == 0,
+    ))
+
+The library's own algorithms register when `collectives.algorithms` is imported (its `__init__`).
+
+Cost functions share one notation (each algorithm's module docstring gives its formula): n bytes
+per rank, p ranks on N nodes of L ranks, s the segment size, t(m) = alpha + m beta the time of one
+m-byte message on a link (`LinkCost.time`), gamma the reduction time per byte. A link is `intra`
+inside a node; between nodes it is `inter`, and k flows leaving one node at once share its NIC:
+t(m) = max(alpha + m beta_inter, m k nic_beta) (`LinkCosts.inter_flow`). Every message also pays
+alpha on its sender, so a stream of S segments costs S t(m/S), not t(m) + (S-1) m/S beta
+(`layout.stream_pieces`). The simulated backend checks the model: on its grid of clusters the
+choice it makes is within a few percent of the best algorithm (docs/selector.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from collectives.core.group import Group
+from collectives.core.ops import ReduceOp
+from collectives.core.schedule import Waits
+from collectives.core.topology import LinkCosts, Topology
+
+AllReduceSteps = Callable[[Group, Sequence[Sequence[int]], np.ndarray, np.ndarray, ReduceOp, int], Waits]
+"""steps(group, nodes, src, dst, op, segment_bytes): the algorithm's step machine (`core.schedule`).
+`nodes` lists the member indices of each node; `src` may be `dst`."""
+
+CostFunction = Callable[[int, Topology, LinkCosts, int], float]
+"""cost(nbytes, topology, link_costs, segment_bytes): predicted seconds of one all-reduce of
+`nbytes` per rank (`nbytes > 0`, at least two ranks)."""
+
+
+def _everywhere(topology: Topology) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class AllReduceAlgorithm:
+    """One all-reduce algorithm, as every part of the library sees it."""
+
+    name: str
+    summary: str
+    """One line for tables: what the algorithm does."""
+    steps: AllReduceSteps
+    cost: CostFunction
+    runs_on: Callable[[Topology], bool] = _everywhere
+    """Whether it can run on a topology at all (world size, node layout); asked for elsewhere it
+    is refused with a ValueError."""
+    auto_candidate: Callable[[Topology], bool] | None = _everywhere
+    """Where `auto` considers it (within `runs_on`); None: never (a test oracle, say)."""
+
+
+_REGISTRY: dict[str, AllReduceAlgorithm] = {}
+
+
+def register(algorithm: AllReduceAlgorithm) -> AllReduceAlgorithm:
+    """Add `algorithm` to the registry; a name can be registered only once."""
+    reserved = ("auto", "native")
+    if algorithm.name in reserved or not algorithm.name.isidentifier():
+        raise ValueError(f"algorithm name must be an identifier other than {reserved}, got {algorithm.name!r}")
+    if algorithm.name in _REGISTRY:
+        raise ValueError(f"an all-reduce algorithm named {algorithm.name!r} is already registered")
+    _REGISTRY[algorithm.name] = algorithm
+    return algorithm
+
+
+def unregister(name: str) -> None:
+    """Remove the algorithm registered as `name` (tests and plug-ins that are unloaded)."""
+    lookup(name)
+    del _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    """Every registered all-reduce algorithm, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def lookup(name: str) -> AllReduceAlgorithm:
+    """The algorithm registered as `name`, or a ValueError listing the ones there are."""
+    algorithm = _REGISTRY.get(name)
+    if algorithm is None:
+        raise ValueError(f"unknown all-reduce algorithm {name!r}; expected one of {', '.join(_REGISTRY)}")
+    return algorithm
+
+
+def runnable(name: str, topology: Topology) -> AllReduceAlgorithm:
+    """`lookup(name)`, refused with a ValueError where the algorithm cannot run on `topology`."""
+    algorithm = lookup(name)
+    if not algorithm.runs_on(topology):
+        raise ValueError(
+            f"all-reduce algorithm {name!r} cannot run on {topology.size} ranks on {topology.num_nodes} "
+            f"node(s) {[len(ranks) for ranks in topology.nodes]}"
+        )
+    return algorithm
+
+
+def auto_candidates(topology: Topology) -> tuple[str, ...]:
+    """The algorithms `auto` chooses from on `topology`, in registration order (ties go to the
+    earlier one)."""
+    return tuple(
+        name
+        for name, algorithm in _REGISTRY.items()
+        if algorithm.auto_candidate is not None and algorithm.runs_on(topology) and algorithm.auto_candidate(topology)
+    )
+
+
+def contenders() -> tuple[str, ...]:
+    """The algorithms `auto` considers on some topology: what a side-by-side comparison shows."""
+    return tuple(name for name, algorithm in _REGISTRY.items() if algorithm.auto_candidate is not None)
+
+
+def predict(name: str, nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes: int) -> float:
+    """Predicted seconds of one all-reduce of `nbytes` per rank with algorithm `name`."""
+    if topology.size == 1 or nbytes <= 0:
+        return 0.0
+    return lookup(name).cost(nbytes, topology, costs, segment_bytes)
+
+
+def allreduce_steps(
+    name: str,
+    group: Group,
+    nodes: Sequence[Sequence[int]],
+    src: np.ndarray,
+    dst: np.ndarray,
+    op: ReduceOp,
+    *,
+    segment_bytes: int,
+) -> Waits:
+    """dst = op over all members of src with algorithm `name`, as a step machine; checks `name`
+    when called. `schedule.drive` runs it blocking, the simulator on its virtual clock."""
+    return lookup(name).steps(group, nodes, src, dst, op, segment_bytes)
+
+
+def markdown_table() -> str:
+    """The registered algorithms as the Markdown table docs/architecture.md shows."""
+    rows = ["| algorithm | what it does | auto considers it |", "|---|---|---|"]
+    for algorithm in _REGISTRY.values():
+        auto = "never" if algorithm.auto_candidate is None else "yes"
+        rows.append(f"| `{algorithm.name}` | {algorithm.summary} | {auto} |")
+    return "\n".join(rows)
