@@ -210,6 +210,7 @@ def build_scaling_parser() -> argparse.ArgumentParser:
 def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     """Check the options against each other and the backend; the `SweepSpec` every rank runs."""
     collective = args.collective
+    default: tuple[str, ...]
     if collective == "allreduce":
         default = (*DEFAULT_ALLREDUCE, NATIVE) if args.backend == "mpi" else DEFAULT_ALLREDUCE
         known = {"auto", NATIVE, *ALLREDUCE_ALGORITHMS}
