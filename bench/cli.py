@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         "slower, 1 KiB .. 256 MiB), largest regret per cluster",
     )
     emulated = parser.add_argument_group(
-        "emulated nodes (collectives.bench.netns: Linux network namespaces, needs root; else runs the equivalent simulated cluster)"
+        "emulated nodes (collectives.bench.netns: Linux network namespaces, needs root; "
+        "else runs the equivalent simulated cluster)"
     )
     emulated.add_argument(
         "--emulate-nodes",
