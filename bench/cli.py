@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         "slower, 1 KiB .. 256 MiB), largest regret per cluster",
     )
     emulated = parser.add_argument_group(
-        "emulated nodes (collectives.bench.netns: Linux network namespaces, needs root; else runs the equivalent simulated cluster)"
+        "emulated nodes (collectives.bench.netns: Linux network namespaces, needs root; "
+        "else runs the equivalent simulated cluster)"
     )
     emulated.add_argument(
         "--emulate-nodes",
@@ -215,6 +216,7 @@ def build_scaling_parser() -> argparse.ArgumentParser:
 def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     """Check the options against each other and the backend; the `SweepSpec` every rank runs."""
     collective = args.collective
+    default: tuple[str, ...]
     if collective == "allreduce":
         default = (*default_allreduce(), NATIVE) if args.backend == "mpi" else default_allreduce()
         known = {"auto", NATIVE, *allreduce_algorithms()}

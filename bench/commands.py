@@ -174,10 +174,10 @@ def scaling_command(args: argparse.Namespace) -> int:
             f"Model: {model.parameters / 1e6:.1f} M float32 parameters ({model.gradient_bytes / 1e6:.0f} MB), "
             f"buckets of {model.bucket_bytes / (1 << 20):g} MiB all-reduced one at a time as backprop fills them; "
             f"compute {model.compute_seconds * 1e3:.0f} ms/step (InceptionV3, batch 32, V100-class), backprop = "
-            f"{model.backprop_fraction:.0%} of it. Lines: cost model (all rank counts); hollow squares: simulated backend "
-            f"(real algorithm code, virtual clock) up to {args.simulate_up_to} ranks. Links: NVLink 3 us, "
-            f"NIC 10 us, Ethernet 50 us per message; reductions at 200 GB/s. Horovod paper: ~90% at 8 ranks/node, "
-            f"~50% for 1 rank/node on 10 Gb/s, at 64 ranks. Crosses: all-reduce times measured on thread ranks here."
+            f"{model.backprop_fraction:.0%} of it. Lines: cost model (all rank counts); hollow squares: simulated "
+            f"backend (real algorithm code, virtual clock) up to {args.simulate_up_to} ranks. Links: NVLink 3 us, "
+            "NIC 10 us, Ethernet 50 us per message; reductions at 200 GB/s. Horovod paper: ~90% at 8 ranks/node, "
+            "~50% for 1 rank/node on 10 Gb/s, at 64 ranks. Crosses: all-reduce times measured on thread ranks here."
         )
         plot_scaling(points, args.plot, "Data-parallel scaling efficiency: flat ring vs hierarchical vs auto", note)
     return 0

@@ -47,6 +47,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
+from typing import Any
 
 from collectives.launch import grpc_rank_environments, run_ranks
 
@@ -137,7 +138,7 @@ class EmulatedCluster:
         self.nodes = tuple(EmulatedNode(i, f"{prefix}n{i}", str(next(hosts))) for i in range(nodes))
         self.created: list[str] = []
         """Namespaces this instance created and has not removed yet, in creation order."""
-        self._previous_handlers: dict[int, object] = {}
+        self._previous_handlers: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def __enter__(self) -> EmulatedCluster:
         atexit.register(self.cleanup)

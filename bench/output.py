@@ -17,6 +17,7 @@ import os
 import platform
 import socket
 import sys
+import typing
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
@@ -129,12 +130,12 @@ def write_csv(path: str, result: SweepResult) -> None:
 
 
 def read_csv(path: str) -> list[Measurement]:
-    """The rows of a file written by `write_csv`."""
-    types = {f.name: f.type for f in dataclasses.fields(Measurement)}
-    casts = {"int": int, "float": float, "str": str}
+    """The rows of a file written by `write_csv`, each field converted back to its annotated type
+    (int, float or str); the derived columns are left out."""
+    field_types = typing.get_type_hints(Measurement)
     with open(path, newline="") as stream:
         return [
-            Measurement(**{k: casts[types[k]](v) for k, v in line.items() if k in types})
+            Measurement(**{k: field_types[k](v) for k, v in line.items() if k in field_types})
             for line in csv.DictReader(stream)
         ]
 

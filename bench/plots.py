@@ -19,7 +19,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise BackendUnavailableError("plots need matplotlib: pip install -e '.[bench]'") from None
+        raise BackendUnavailableError("plots", "matplotlib", "bench") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

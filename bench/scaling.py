@@ -202,7 +202,7 @@ def scaling_curve(
             cluster=kind.name,
             algorithm=algorithm,
             ranks=ranks,
-            efficiency=model.efficiency(lambda size: seconds[ranks, size]),
+            efficiency=model.efficiency({size: seconds[ranks, size] for size in sizes}.__getitem__),
             source="simulated" if simulated else "model",
             choices=tuple(runs[ranks, size][1] for size in sizes) if algorithm == "auto" else (),
         )

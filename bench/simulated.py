@@ -66,7 +66,8 @@ def grid_summary(cells: Sequence[RegretCell]) -> str:
     slower the runner-up was than the fastest, at the size where that was least) and what auto
     picked."""
     lines = [
-        f"{'cluster':>8} {'inter slower':>12} {'max regret':>11} {'closest call':>13}  auto's picks, smallest size first"
+        f"{'cluster':>8} {'inter slower':>12} {'max regret':>11} {'closest call':>13}"
+        "  auto's picks, smallest size first"
     ]
     for ratio, cluster in grid_clusters():
         mine = [c for c in cells if c.cluster == cluster]

@@ -336,8 +336,9 @@ def targets(results: Mapping[str, GroupSummary], sizes: Sequence[int]) -> list[s
         for variant, seconds in results[group].train.items():
             if variant.startswith(LOCAL):
                 continue
+            speedup = base_step / seconds
             lines.append(
-                f"{verdict(seconds < base_step)} {group} training step ({variant}) faster than MWMS: {base_step / seconds:.2f}x"
+                f"{verdict(seconds < base_step)} {group} training step ({variant}) faster than MWMS: {speedup:.2f}x"
             )
     return lines
 

@@ -188,7 +188,9 @@ def run_mwms(config: WorkerConfig) -> RankResult:
     for nbytes in config.sizes:
         count = nbytes // 4
         tensor = tf.constant(make_input("allreduce", ReduceOp.SUM, rank, world, count, np.dtype(np.float32)))
-        times[str(nbytes)] = interleaved({"": lambda: allreduce(tensor)}, barrier, config.warmup, config.repeats)[""]
+        times[str(nbytes)] = interleaved(
+            {"": functools.partial(allreduce, tensor)}, barrier, config.warmup, config.repeats
+        )[""]
         wrong += count_wrong(
             allreduce(tensor), expected_output("allreduce", ReduceOp.SUM, rank, world, count, np.dtype(np.float32))
         )
@@ -251,8 +253,8 @@ def run_ours(config: WorkerConfig, out: Path) -> RankResult:
             variant: functools.partial(comm.allreduce, src, algorithm=algorithm, out=outputs[variant])
             for variant, algorithm in raw.items()
         }
-        runs["eager"] = lambda: allreduce(tensor)
-        runs["function"] = lambda: reduce_in_function(tensor)
+        runs["eager"] = functools.partial(allreduce, tensor)
+        runs["function"] = functools.partial(reduce_in_function, tensor)
         for variant, times in interleaved(runs, comm.barrier, config.warmup, config.repeats).items():
             result.allreduce.setdefault(variant, {})[str(nbytes)] = times
             produced = outputs[variant] if variant in outputs else runs[variant]()
@@ -267,7 +269,7 @@ def run_ours(config: WorkerConfig, out: Path) -> RankResult:
         comm.barrier()
         step, model, _ = train_step_for(example, graph=graph, config=config, distributed=True)
         local_step, _, _ = train_step_for(example, graph=graph, config=config, distributed=False)
-        runs = {variant: lambda: step(x, y), LOCAL + variant: lambda: local_step(x, y)}
+        runs = {variant: functools.partial(step, x, y), LOCAL + variant: functools.partial(local_step, x, y)}
         result.train.update(interleaved(runs, comm.barrier, config.warmup, config.repeats))
         result.checksum[variant] = weights_checksum(model.trainable_variables)
         # Again with the timeline on, for the hidden fraction: writing the trace costs time of its
@@ -275,7 +277,7 @@ def run_ours(config: WorkerConfig, out: Path) -> RankResult:
         comm.barrier()
         trace = out / f"timeline_{variant}.json"
         traced_step, _, wrapper = train_step_for(example, graph=graph, config=config, distributed=True, timeline=trace)
-        interleaved({variant: lambda: traced_step(x, y)}, comm.barrier, config.warmup, config.repeats)
+        interleaved({variant: functools.partial(traced_step, x, y)}, comm.barrier, config.warmup, config.repeats)
         events = wrapper.aggregator.timeline.events
         result.hidden[variant] = strategies.hidden_fraction(
             [e for e in events if e["args"].get("step", 0) > config.warmup]

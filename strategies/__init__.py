@@ -15,8 +15,8 @@ dataflow inside `tf.function`, through gradient hooks in eager mode), and every 
 with bit-identical gradients. Every function takes `comm=None`, meaning the communicator made by
 the last `collectives.init()`.
 
-TensorFlow is imported when one of these names is first used, not by `import strategies`; without
-it installed, using them raises `BackendUnavailableError` naming the `tf` extra.
+TensorFlow is imported when one of these names is first used, not by `import collectives.strategies`;
+without it installed, using them raises `BackendUnavailableError` naming the `tf` extra.
 """
 
 from __future__ import annotations

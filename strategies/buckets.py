@@ -67,23 +67,18 @@ def plan_buckets(
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    buckets: list[Bucket] = []
-    slots: list[Slot] = []
-    dtype: np.dtype | None = None
+    groups: list[tuple[np.dtype, list[Slot]]] = []  # (dtype, slots) of each bucket, the last one open
     filled = 0
     for variable in reversed(range(len(specs))):
         spec = specs[variable]
         if spec is None:
             continue
-        shape, spec_dtype = tuple(int(d) for d in spec[0]), np.dtype(spec[1])
-        nbytes = math.prod(shape) * spec_dtype.itemsize
+        shape, dtype = tuple(int(d) for d in spec[0]), np.dtype(spec[1])
+        nbytes = math.prod(shape) * dtype.itemsize
         filled = -(-filled // ALIGNMENT) * ALIGNMENT
-        if slots and (spec_dtype != dtype or filled + nbytes > bucket_bytes):
-            buckets.append(Bucket(dtype, tuple(slots)))
-            slots, filled = [], 0
-        dtype = spec_dtype
-        slots.append(Slot(variable, filled // spec_dtype.itemsize, shape))
+        if not groups or dtype != groups[-1][0] or filled + nbytes > bucket_bytes:
+            groups.append((dtype, []))
+            filled = 0
+        groups[-1][1].append(Slot(variable, filled // dtype.itemsize, shape))
         filled += nbytes
-    if slots:
-        buckets.append(Bucket(dtype, tuple(slots)))
-    return tuple(buckets)
+    return tuple(Bucket(dtype, tuple(slots)) for dtype, slots in groups)

@@ -59,11 +59,11 @@ class GradientHooks:
         class ApplyingScope(keras.StatelessScope):
             """Records the variables assigned inside, so that their updates can be applied."""
 
-            def __init__(self, state_mapping):
+            def __init__(self, state_mapping: list[tuple[Any, Any]]) -> None:
                 super().__init__(state_mapping=state_mapping)
                 self.updated: dict[int, Any] = {}
 
-            def add_update(self, update):
+            def add_update(self, update: tuple[Any, Any]) -> None:
                 super().add_update(update)
                 self.updated[id(update[0])] = update[0]
 

@@ -2,9 +2,10 @@
 `broadcast_variables`.
 
 Eagerly, a tensor is handed to the communicator as the numpy array that shares its memory, and
-the result, written into 64-byte aligned memory, becomes a tensor without a copy. Inside `tf.function` each call becomes one stateful
-`tf.numpy_function` op; TensorFlow runs stateful ops in program order, so every rank issues its
-collectives in the order the code calls them, which the communicator requires.
+the result, written into 64-byte aligned memory, becomes a tensor without a copy. Inside
+`tf.function` each call becomes one stateful `tf.numpy_function` op; TensorFlow runs stateful ops
+in program order, so every rank issues its collectives in the order the code calls them, which the
+communicator requires.
 
 A collective op occupies one of TensorFlow's inter-op threads until every rank has joined it. With
 one rank per process (the normal case) that is harmless; ranks that are threads of one process

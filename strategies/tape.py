@@ -133,9 +133,12 @@ class DistributedGradientTape:
         if timeline is None:
             return self.aggregator.aggregate(gradients, sources)
 
+        def record(started: Any, *_: Any) -> float:
+            self._record_backprop(float(started), time.perf_counter())
+            return _now()
+
         def mark_end() -> None:
             ready = [g.values if isinstance(g, tf.IndexedSlices) else g for g in gradients if g is not None]
-            record = lambda started, *_: self._record_backprop(float(started), time.perf_counter()) or _now()  # noqa: E731
             tf.numpy_function(record, [mark_start, *ready], tf.float64, stateful=True, name="collectives_backprop_end")
 
         return self.aggregator.aggregate_marked(gradients, sources, after_hand_off=mark_end)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import sys
 
 import numpy as np
 import pytest
 
-from collectives import Communicator
+from collectives import BackendUnavailableError, Communicator
 from collectives.bench import cli
 from collectives.bench.commands import main
 from collectives.bench.measure import IN_PLACE, OUT_OF_PLACE, bus_factor
@@ -229,6 +230,13 @@ def test_plot_files_are_pngs(tmp_path) -> None:
     assert main(["scaling", "--simulate-up-to", "0", "--plot", str(scaling)]) == 0
     for path in (sweep, scaling):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plotting_without_matplotlib_names_the_extra(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` then raises ImportError
+    with pytest.raises(BackendUnavailableError, match=r"'matplotlib'.*\[bench\]"):
+        main(["scaling", "--simulate-up-to", "0", "--plot", str(tmp_path / "scaling.png")])
+    assert not (tmp_path / "scaling.png").exists()
 
 
 def test_explain_puts_the_model_beside_the_measurement_and_auto_beside_the_fastest(capsys) -> None:

@@ -163,14 +163,16 @@ def main() -> int:
     )
     print(f"# {what}, {p} ranks on 127.0.0.1, median of {args.iters} iterations")
     print(
-        f"{'size':>12} {'count':>10} {'type':>7} {'redop':>5} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'cpu(cores)':>10}"
+        f"{'size':>12} {'count':>10} {'type':>7} {'redop':>5} {'time(us)':>10} "
+        f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'cpu(cores)':>10}"
     )
     for row in rows:
         seconds = row["median"]
         algbw = row["bytes"] / seconds / 1e9
         busbw = algbw * 2 * (p - 1) / p
         print(
-            f"{row['bytes']:>12} {row['count']:>10} {'float':>7} {'sum':>5} {seconds * 1e6:>10.1f} {algbw:>11.3f} {busbw:>11.3f} {row['wrong']:>6} {row['cpu']:>10.2f}"
+            f"{row['bytes']:>12} {row['count']:>10} {'float':>7} {'sum':>5} {seconds * 1e6:>10.1f} "
+            f"{algbw:>11.3f} {busbw:>11.3f} {row['wrong']:>6} {row['cpu']:>10.2f}"
         )
     return 0
 

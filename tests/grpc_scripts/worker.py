@@ -250,7 +250,10 @@ SCENARIOS = {
 
 def main(names: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    # Quiet the communicator's line for every failure the scenarios provoke, not the transport's
+    # warnings (the intruders scenario checks that refusing a stranger says why).
     logging.getLogger("collectives").setLevel(logging.CRITICAL)
+    logging.getLogger("collectives.backends").setLevel(logging.WARNING)
     timeout = float(os.environ.get("WORKER_TIMEOUT", "30"))
     start = time.monotonic()
     transport = GrpcTransport.from_environment(startup_timeout=float(os.environ.get("WORKER_STARTUP_TIMEOUT", "30")))

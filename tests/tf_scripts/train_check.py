@@ -3,7 +3,8 @@
 For each case, every rank trains the same model on its own slice of each global batch through
 `DistributedGradientTape`, and rank 0 also trains a second copy alone on the whole global batch.
 Checked: the distributed variables match the single-process ones to float32 tolerance, are
-bit-identical on every rank, and a `tf.function` step is traced once, not once per step. Prints "rank R: CASE ok" per passed case; exits non-zero otherwise.
+bit-identical on every rank, and a `tf.function` step is traced once, not once per step. Prints
+"rank R: CASE ok" per passed case; exits non-zero otherwise.
 
     python -m collectives.launch -n 2 tests/tf_scripts/train_check.py eager graph sparse fp16 overlap-eager
     mpiexec -n 2 python tests/tf_scripts/train_check.py mismatch
