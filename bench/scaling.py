@@ -18,11 +18,11 @@ Communication hides behind backprop as long as it keeps up; what runs past the e
 exposed. efficiency = T / (T + exposed). The last bucket is ready only at T, so its all-reduce is
 always exposed: that is what keeps even a fast cluster below 100%.
 
-All-reduce times come from the cost model (each algorithm's cost function in the registry, `collectives.algorithms.registry`, any rank count, microseconds
-to compute) or from the simulated backend (`collectives.selection.simulation`, the real algorithm code on a
-virtual clock, 12-20 us of real time per message, the runs spread over the machine's CPUs: a 25 MiB
-flat ring all-reduce sends 2p(p-1) messages, about a quarter of a second at 128 ranks and under a
-minute at 1024), and
+All-reduce times come from the cost model (each algorithm's cost function in
+`collectives.algorithms.registry`; any rank count, microseconds to compute) or from the simulated
+backend (`collectives.selection.simulation`, the real algorithm code on a virtual clock, 12-20 us of
+real time per message, the runs spread over the machine's CPUs: a 25 MiB flat ring all-reduce sends
+2p(p-1) messages, about a quarter of a second at 128 ranks and under a minute at 1024), and
 `auto` is what the selector picks for each bucket size from the cluster's own link costs (what
 probes measure on it: the simulator's probes recover them to 0.02%).
 """
