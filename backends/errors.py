@@ -7,6 +7,7 @@ a log from one rank of many: it names the rank that raised, the peer involved an
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Container
 
 
@@ -81,3 +82,12 @@ def error_from_abort(origin: int, kind: str, text: str, *, rank: int) -> Collect
     if kind == ABORT_MISMATCH:
         return MismatchError(f"{text} (reported to rank {rank} by rank {origin})")
     return PeerLostError(f"rank {rank}: peer rank {origin} aborted: {text}")
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """`BaseException.add_note`, also on Python 3.10, which keeps the note in `__notes__` without
+    printing it."""
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        setattr(error, "__notes__", [*getattr(error, "__notes__", ()), note])  # noqa: B010 - no such attribute before 3.11

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from collectives.backends.errors import add_note
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES
 
@@ -73,7 +74,7 @@ def run_threads(
     _join(threads, failures, timeout)
     if failures:
         rank, error = failures[0]
-        error.add_note(f"raised on rank {rank} of {world_size} (run_threads)")
+        add_note(error, f"raised on rank {rank} of {world_size} (run_threads)")
         raise error
     return results
 

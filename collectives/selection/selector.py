@@ -53,9 +53,10 @@ class Tuning:
 
     def _log_ratio(self, algorithm: str, index: int) -> float:
         own = self.ratios.get(algorithm)
-        if own is not None and own[index] is not None:
-            return math.log(own[index])
-        measured = [math.log(r[index]) for r in self.ratios.values() if r[index] is not None]
+        ratio = None if own is None else own[index]
+        if ratio is not None:
+            return math.log(ratio)
+        measured = [math.log(r) for ratios in self.ratios.values() if (r := ratios[index]) is not None]
         return sum(measured) / len(measured) if measured else 0.0
 
 
