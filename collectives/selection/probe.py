@@ -12,13 +12,14 @@ Pairs time `repeats` round trips of a tiny message and of a `PROBE_BYTES` one (a
 one) on the collective's clock (`Transport.clock`, virtual on the simulated backend). Before each,
 a barrier keeps the flows that share a NIC in step instead of drifting apart, and an untimed tiny
 round trip makes sure both sides have left the barrier and nothing else is queued on their links.
-One-way time is half the median round trip; alpha is the tiny message's one-way time, beta the extra time per extra byte of the large one. Each rank also times a local
-reduction (gamma). Every rank then contributes its numbers to an all-gather and takes the median
-over the ranks that measured (the maximum for phase 3, whose slowest flow waited for all the
-others at the NIC), so all ranks end with the identical `LinkCosts`.
+One-way time is half the median round trip; alpha is the tiny message's one-way time, beta the
+extra time per extra byte of the large one. Each rank also times a local reduction (gamma). Every
+rank then contributes its numbers to an all-gather and takes the median over the ranks that
+measured (the maximum for phase 3, whose slowest flow waited for all the others at the NIC), so all
+ranks end with the identical `LinkCosts`.
 
-Budget: 6 (repeats + 1) barriers and twice as many round trips, one all-gather: a few ms on the threads
-backend, well under a second on any network.
+Budget: 6 (repeats + 1) barriers and twice as many round trips, one all-gather: a few ms on the
+threads backend, well under a second on any network.
 """
 
 from __future__ import annotations
