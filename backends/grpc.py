@@ -40,8 +40,9 @@ Failure handling.
   so peers learn the real cause rather than "rank r closed").
 * A peer whose process dies breaks both streams with it at once (the kernel closes the sockets):
   the server sees its incoming stream cancelled, the client sees its outgoing call fail, and
-  either marks the peer lost, failing every pending receive from it and every send to it with
-  `PeerLostError` naming it. HTTP/2 keepalive (20 s) catches peers whose machine vanished.
+  either marks the peer lost, failing every pending receive from it (the one whose message it cut
+  off included) and every send to it with `PeerLostError` naming it. HTTP/2 keepalive (20 s)
+  catches peers whose machine vanished.
 * A peer closing cleanly ends its stream; receives it can no longer satisfy fail the same way.
 
 Start-up. The constructor binds this rank's address (and only that one), then pings every peer
@@ -212,6 +213,13 @@ class _Landing:
         self.offset = 0
         self.parts: list[memoryview] = []
         self.skip = skip  # or a message nobody will get (mismatch, abort)
+
+    def receive(self) -> _Request | None:
+        """The receive this message is for, if one is waiting for the rest of it: the one it was
+        matched to on arrival, or one that took it while it was still arriving. Lock held."""
+        if self.recv is not None:
+            return self.recv
+        return None if self.incoming is None else self.incoming.recv
 
 
 def _frame(head: bytes, data: np.ndarray) -> bytes:
@@ -839,12 +847,18 @@ class GrpcTransport(Transport):
             log.exception("rank %d: failed while receiving from rank %d", self.rank, src)
             context.abort(grpc.StatusCode.INTERNAL, f"rank {self.rank} failed: {error!r}")
         finally:
+            cut_off = None
             with self._lock:
                 landing = self._landing.pop(src, None)
                 self._streams_in.discard(src)
-            if landing is not None and landing.recv is not None:
-                landing.recv._finish(
-                    PeerLostError(f"rank {self.rank}: the message from rank {src} (tag {landing.recv.tag}) was cut off")
+                if landing is not None:
+                    cut_off = landing.receive()
+                    held = landing.incoming
+                    if held is not None:  # no receive may take it any more
+                        self._matcher.withdraw(messages=lambda incoming: incoming is held)
+            if cut_off is not None:
+                cut_off._finish(
+                    PeerLostError(f"rank {self.rank}: the message from rank {src} (tag {cut_off.tag}) was cut off")
                 )
             if not self._closed:
                 self._peer_gone(
@@ -916,7 +930,10 @@ class GrpcTransport(Transport):
         """Forget every waiting receive and held message (the transport failed or closes); returns
         the receives, to be failed, including those being filled frame by frame. Lock held."""
         victims, _ = self._matcher.drain()
-        victims.extend(landing.recv for landing in self._landing.values() if landing.recv is not None)
+        for landing in self._landing.values():
+            receive = landing.receive()
+            if receive is not None:
+                victims.append(receive)
         self._space.notify_all()
         return victims
 
