@@ -17,8 +17,9 @@ unexpected. `Matcher` keeps one deque per stream and kind, and drops a deque onc
 tags that are used once do not pile up over a long run.
 
 Once paired, the message's header and size are compared with what the receive expects (`check`).
-Any difference is a `MismatchError` that both sides get, worded by `mismatch_error` the same on
-every backend (MPI, whose matching is MPI's own, included). A pair that agrees is completed with
+Any difference is a `MismatchError` for both sides (a gRPC sender learns it through the receiver's
+abort), worded by `mismatch_error` the same on every backend (MPI, whose matching is MPI's own,
+included). A pair that agrees is completed with
 `receive_payload` (into the receive's buffer, or through its reduction) or, by the simulator,
 with `copy_payload` at the message's virtual arrival time. How messages travel, when they
 arrive, and what holding one costs (gRPC's per-peer limit) stays in each backend.
@@ -38,6 +39,8 @@ from .errors import MismatchError, PeerLostError
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 M = TypeVar("M")
+P = TypeVar("P")
+T = TypeVar("T")
 
 
 class Matcher(Generic[K, R, M]):
@@ -53,11 +56,13 @@ class Matcher(Generic[K, R, M]):
         self._messages: dict[K, deque[M]] = {}
 
     def match_receive(self, key: K, receive: R) -> M | None:
-        """A new receive: take the oldest unexpected message of its stream, or (None) post it."""
+        """A new receive: the oldest unexpected message of its stream, taken, or None once the
+        receive is posted."""
         return _match(self._messages, self._receives, key, receive)
 
     def match_message(self, key: K, message: M) -> R | None:
-        """A new message: take the oldest receive posted for its stream, or (None) keep it as unexpected."""
+        """A new message: the oldest receive posted for its stream, taken, or None once the
+        message is held as unexpected."""
         return _match(self._receives, self._messages, key, message)
 
     def take_message(self, key: K) -> M | None:
@@ -100,12 +105,6 @@ class Matcher(Generic[K, R, M]):
         self._receives.clear()
         self._messages.clear()
         return receives, messages
-
-
-T = TypeVar("T")
-
-
-P = TypeVar("P")
 
 
 def _match(partners: dict[K, deque[P]], waiting: dict[K, deque[T]], key: K, entry: T) -> P | None:
