@@ -148,7 +148,9 @@ class LockRequest(PostedRequest):
         self._error = error
         self.buf = self.consume = None
         self._done.release()
-        wake(self.waiter)
+        waiter = self.waiter
+        if waiter is not None:  # read after the release: see `wait_first`
+            wake(waiter)
 
 
 def wait_first(requests: Sequence[WakingRequest], timeout: float) -> None:
