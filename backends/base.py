@@ -88,7 +88,31 @@ def wake(waiter: _thread.LockType | None) -> None:
             pass
 
 
-class LockRequest:
+Consume = Callable[[Buffer], None]
+"""What `Transport.irecv_reduce` calls with the message (a view of it, valid during the call)."""
+
+
+class PostedRequest:
+    """What every backend records of a posted send or receive, and what matching reads.
+
+    `kind` is "send" or "recv", `rank` the rank that posted it and `peer` the other end. `nbytes`
+    is the buffer's size, read once here for the size check and the simulator's network model;
+    backends drop `buf` when the request completes (it is the caller's again).
+    """
+
+    __slots__ = ("kind", "rank", "peer", "tag", "buf", "nbytes", "header")
+
+    def __init__(self, kind: str, rank: int, peer: int, tag: int, buf: Buffer, header: bytes) -> None:
+        self.kind = kind
+        self.rank = rank
+        self.peer = peer
+        self.tag = tag
+        self.buf = buf
+        self.nbytes: int = buf.nbytes
+        self.header = header
+
+
+class LockRequest(PostedRequest):
     """A posted send or receive that a thread of the backend completes: a `WakingRequest`.
 
     Completion is a raw lock held from creation until the request finishes: the cheapest
@@ -97,24 +121,12 @@ class LockRequest:
     are the caller's again.
     """
 
-    __slots__ = ("kind", "rank", "peer", "tag", "buf", "header", "consume", "waiter", "_done", "_error")
+    __slots__ = ("consume", "waiter", "_done", "_error")
 
     def __init__(
-        self,
-        kind: str,
-        rank: int,
-        peer: int,
-        tag: int,
-        buf: Buffer,
-        header: bytes,
-        consume: Callable[[Buffer], None] | None = None,
+        self, kind: str, rank: int, peer: int, tag: int, buf: Buffer, header: bytes, consume: Consume | None = None
     ) -> None:
-        self.kind = kind
-        self.rank = rank
-        self.peer = peer
-        self.tag = tag
-        self.buf = buf
-        self.header = header
+        PostedRequest.__init__(self, kind, rank, peer, tag, buf, header)  # cheaper than super() per message
         self.consume = consume
         self._done = _thread.allocate_lock()
         self._done.acquire()
@@ -136,7 +148,9 @@ class LockRequest:
         self._error = error
         self.buf = self.consume = None
         self._done.release()
-        wake(self.waiter)
+        waiter = self.waiter
+        if waiter is not None:  # read after the release: see `wait_first`
+            wake(waiter)
 
 
 def wait_first(requests: Sequence[WakingRequest], timeout: float) -> None:
@@ -206,9 +220,7 @@ class Transport(abc.ABC):
     fuses_receive_reduce: bool = False
     """Whether `irecv_reduce` is available."""
 
-    def irecv_reduce(
-        self, buf: Buffer, src: int, tag: int, header: bytes, consume: Callable[[Buffer], None]
-    ) -> Request:
+    def irecv_reduce(self, buf: Buffer, src: int, tag: int, header: bytes, consume: Consume) -> Request:
         """Receive a message of `buf`'s size from `src` and call `consume(message)` with it.
 
         `consume` may run on any thread, at any time before the request completes; `buf` only

@@ -14,13 +14,14 @@ request iterator, so a queued send costs no memory.
 
 Ordering and matching. One stream per (sender, receiver) pair gives MPI's non-overtaking order
 for free. The receiver matches each arriving message to the oldest receive posted for its
-(source, tag); if there is none, the message is kept (as the frames gRPC delivered, no copy) until
-one is posted. A matched message is copied into the receive buffer. (`irecv_reduce`, which hands
-the message to the reduction straight from gRPC's bytes on the server thread, is implemented, but
-`fuses_receive_reduce` stays False: alternating both in one run measured no difference.)
-Headers are compared at match time: a different header, or a payload size different from the
-receive buffer's, fails the receive with `MismatchError` (the sender learns through the
-receiver's abort).
+(source, tag) (`matching.Matcher`); if there is none, the message is kept (as the frames gRPC
+delivered, no copy) until one is posted. A matched message is copied into the receive buffer.
+(`irecv_reduce`, which hands the message to the reduction straight from gRPC's bytes on the server
+thread, is implemented, but `fuses_receive_reduce` stays False: alternating both in one run
+measured no difference.) Headers are compared (`matching.check`) at match time, or for a receive
+that took a message still arriving, once it has arrived: a different header, or a payload size
+different from the receive buffer's, fails the receive with `MismatchError` (the sender learns
+through the receiver's abort).
 
 Backpressure. Unmatched data kept for one source is bounded (`max_unmatched_bytes`, 256 MiB by
 default): beyond it the server stops reading that source's stream, HTTP/2 flow control stalls the
@@ -39,8 +40,9 @@ Failure handling.
   so peers learn the real cause rather than "rank r closed").
 * A peer whose process dies breaks both streams with it at once (the kernel closes the sockets):
   the server sees its incoming stream cancelled, the client sees its outgoing call fail, and
-  either marks the peer lost, failing every pending receive from it and every send to it with
-  `PeerLostError` naming it. HTTP/2 keepalive (20 s) catches peers whose machine vanished.
+  either marks the peer lost, failing every pending receive from it (the one whose message it cut
+  off included) and every send to it with `PeerLostError` naming it. HTTP/2 keepalive (20 s)
+  catches peers whose machine vanished.
 * A peer closing cleanly ends its stream; receives it can no longer satisfy fail the same way.
 
 Start-up. The constructor binds this rank's address (and only that one), then pings every peer
@@ -69,7 +71,6 @@ module's logic (``bench_grpc.py --raw``) measure the same at 16 MiB and about 20
 
 from __future__ import annotations
 
-import _thread
 import atexit
 import hmac
 import json
@@ -79,23 +80,16 @@ import queue
 import threading
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
 import numpy as np
 
 from . import _grpc_config as wire
-from .base import LockRequest, Transport, check_buffer, wait_first
-from .errors import (
-    BackendUnavailableError,
-    CollectiveError,
-    MismatchError,
-    PeerLostError,
-    abort_kind,
-    error_from_abort,
-)
+from .base import Consume, LockRequest, Transport, check_buffer, wait_first
+from .errors import BackendUnavailableError, CollectiveError, PeerLostError, abort_kind, error_from_abort
+from .matching import Matcher, check, receive_payload
 
 log = logging.getLogger(__name__)
 
@@ -165,34 +159,26 @@ def _identity(data: bytes) -> bytes:
 # -- requests ----------------------------------------------------------------------------------------
 
 
+_CLAIMS = threading.Lock()
+"""Makes claiming a request atomic: checking that it is unfinished and finishing it."""
+
+
 class _Request(LockRequest):
     """A posted send or receive. Several threads may race to complete one (a frame arriving, an
     abort, a close), so completing first claims it: the first outcome wins."""
 
-    __slots__ = ("_claim",)
-
-    def __init__(
-        self,
-        kind: str,
-        rank: int,
-        peer: int,
-        tag: int,
-        buf: np.ndarray,
-        header: bytes,
-        consume: Callable[[np.ndarray], None] | None = None,
-    ) -> None:
-        super().__init__(kind, rank, peer, tag, buf, header, consume)
-        self._claim = _thread.allocate_lock()
+    __slots__ = ()
 
     @property
     def finished(self) -> bool:
-        return self._claim.locked()
+        return self.buf is None  # dropped on completion, never before
 
     def _finish(self, error: CollectiveError | None = None) -> bool:  # type: ignore[override]
         """Complete the request; False if it was already completed (the first outcome wins)."""
-        if not self._claim.acquire(False):
-            return False
-        super()._finish(error)
+        with _CLAIMS:
+            if self.buf is None:
+                return False
+            super()._finish(error)
         return True
 
 
@@ -227,6 +213,13 @@ class _Landing:
         self.offset = 0
         self.parts: list[memoryview] = []
         self.skip = skip  # or a message nobody will get (mismatch, abort)
+
+    def receive(self) -> _Request | None:
+        """The receive this message is for, if one is waiting for the rest of it: the one it was
+        matched to on arrival, or one that took it while it was still arriving. Lock held."""
+        if self.recv is not None:
+            return self.recv
+        return None if self.incoming is None else self.incoming.recv
 
 
 def _frame(head: bytes, data: np.ndarray) -> bytes:
@@ -305,8 +298,8 @@ class GrpcTransport(Transport):
 
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)  # signalled when unmatched bytes shrink
-        self._posted: dict[tuple[int, int], deque[_Request]] = {}
-        self._unexpected: dict[tuple[int, int], deque[_Incoming]] = {}
+        self._matcher: Matcher[tuple[int, int], _Request, _Incoming] = Matcher()
+        """Keyed by (source, tag): receives posted here, messages from peers that came before them."""
         self._unmatched_bytes = [0] * self.size
         self._landing: dict[int, _Landing] = {}  # per source: receives being filled frame by frame
         self._lost: dict[int, CollectiveError] = {}
@@ -522,7 +515,7 @@ class GrpcTransport(Transport):
             request._finish(refusal)
             return request
         if dst == self.rank:
-            self._arrive_whole(self.rank, tag, header, buf.nbytes, [memoryview(buf.tobytes())])
+            self._arrive_whole(self.rank, tag, header, buf.nbytes, memoryview(buf.tobytes()))
             request._finish()
             return request
         outbox = self._outboxes[dst]
@@ -588,47 +581,35 @@ class GrpcTransport(Transport):
         own stream threads need."""
         wait_first(requests, timeout)
 
-    def irecv_reduce(
-        self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Callable[[np.ndarray], None]
-    ) -> _Request:
+    def irecv_reduce(self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Consume) -> _Request:
         return self._post_recv(buf, src, tag, header, consume)
 
-    def _post_recv(
-        self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Callable[[np.ndarray], None] | None
-    ) -> _Request:
+    def _post_recv(self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Consume | None) -> _Request:
         self._check(buf, src, tag, header)
         if consume is None and not buf.flags.writeable:
             raise ValueError("receive buffers must be writeable")
         request = _Request("recv", self.rank, src, tag, buf, header, consume)
-        key = (src, tag)
+        incoming = None
         with self._lock:
             if self._abort is not None or self._closed:
                 refusal = self._refusal(src)
             else:
-                refusal = None
-                waiting = self._unexpected.get(key)
-                if waiting:
-                    incoming = waiting.popleft()
-                    if not waiting:
-                        del self._unexpected[key]
+                incoming = self._matcher.take_message((src, tag))
+                # A lost sender sends nothing more: only what it finished sending can be received.
+                refusal = None if incoming is not None and incoming.complete else self._lost.get(src)
+                if refusal is None:
+                    if incoming is None:
+                        self._matcher.post_receive((src, tag), request)
+                        return request
                     if not incoming.complete:
-                        if src in self._lost:  # its sender is gone: the rest will never come
-                            refusal = self._lost[src]
-                        else:
-                            incoming.recv = request  # the arriving frames will complete it
-                            return request
+                        incoming.recv = request  # the arriving frames will complete it
+                        return request
                     self._unmatched_bytes[src] -= incoming.total + MESSAGE_OVERHEAD_BYTES
                     self._space.notify_all()
-                elif src in self._lost:
-                    refusal = self._lost[src]
-                    incoming = None
-                else:
-                    self._posted.setdefault(key, deque()).append(request)
-                    return request
         if refusal is not None:
             request._finish(refusal)
-            return request
-        self._deliver(request, incoming.header, incoming.total, _payload(incoming.parts))
+        elif incoming is not None:  # a whole message it could take at once
+            self._deliver(request, incoming.header, incoming.total, _payload(incoming.parts))
         return request
 
     def _check(self, buf: np.ndarray, peer: int, tag: int, header: bytes) -> None:
@@ -642,61 +623,32 @@ class GrpcTransport(Transport):
         if not isinstance(header, bytes) or len(header) > wire.MAX_HEADER_BYTES:
             raise ValueError(f"header must be bytes of at most {wire.MAX_HEADER_BYTES} bytes")
 
-    def _mismatch(self, request: _Request, expected_bytes: int, header: bytes, total: int) -> MismatchError | None:
-        src = request.peer
-        if header != request.header:
-            return MismatchError(
-                f"rank {self.rank} expected from rank {src}: {request.header.decode(errors='replace')}"
-                f"; rank {src} sent: {header.decode(errors='replace')}"
-            )
-        if total != expected_bytes:
-            return MismatchError(
-                f"rank {self.rank} expected {expected_bytes} bytes from rank {src} (tag {request.tag}), "
-                f"rank {src} sent {total} bytes"
-            )
-        return None
-
     def _deliver(self, request: _Request, header: bytes, total: int, payload: memoryview | bytes) -> None:
         """Complete a receive with a whole message (checked here)."""
-        buf, consume = request.buf, request.consume
+        buf = request.buf
         if buf is None:  # failed meanwhile (abort, close)
             return
-        error = self._mismatch(request, buf.nbytes, header, total)
-        if error is not None:
-            request._finish(error)
-            return
-        try:
-            if consume is not None:
-                consume(np.frombuffer(payload, dtype=buf.dtype))
-            elif total:
-                np.copyto(buf.view(np.uint8), np.frombuffer(payload, dtype=np.uint8))
-        except BaseException as failure:  # noqa: BLE001 - reported to the receiver
-            request._finish(
-                PeerLostError(f"rank {self.rank}: reducing the message from rank {request.peer} failed: {failure!r}")
-            )
-            return
-        request._finish()
+        error = check(request, header, total) or receive_payload(request, np.frombuffer(payload, dtype=buf.dtype))
+        request._finish(error)
 
-    def _arrive_whole(self, src: int, tag: int, header: bytes, total: int, parts: list[memoryview]) -> None:
-        """A complete message from `src` (used for messages to self)."""
+    def _hold(self, src: int, tag: int, header: bytes, total: int) -> _Incoming:
+        """Keep a message no receive was posted for, counting it against `src`'s limit. Lock held."""
+        incoming = _Incoming(src, tag, header, total)
+        self._matcher.hold_message((src, tag), incoming)
+        self._unmatched_bytes[src] += total + MESSAGE_OVERHEAD_BYTES
+        return incoming
+
+    def _arrive_whole(self, src: int, tag: int, header: bytes, total: int, data: memoryview) -> None:
+        """A message that came in one frame (or was sent to this rank itself)."""
         with self._lock:
-            recv = self._match_locked(src, tag)
-            if recv is None:
-                incoming = _Incoming(src, tag, header, total)
-                incoming.parts, incoming.received, incoming.complete = parts, total, True
-                self._unexpected.setdefault((src, tag), deque()).append(incoming)
-                self._unmatched_bytes[src] += total + MESSAGE_OVERHEAD_BYTES
+            if self._abort is not None or self._closed:
                 return
-        self._deliver(recv, header, total, _payload(parts))
-
-    def _match_locked(self, src: int, tag: int) -> _Request | None:
-        posted = self._posted.get((src, tag))
-        if not posted:
-            return None
-        recv = posted.popleft()
-        if not posted:
-            del self._posted[(src, tag)]
-        return recv
+            recv = self._matcher.take_receive((src, tag))
+            if recv is None:
+                incoming = self._hold(src, tag, header, total)
+                incoming.parts, incoming.received, incoming.complete = [data], total, True
+                return
+        self._deliver(recv, header, total, data)
 
     def _on_frame(self, src: int, frame: bytes) -> None:
         """Handle one frame of the stream from `src` (raises FrameError if it is malformed)."""
@@ -705,30 +657,17 @@ class GrpcTransport(Transport):
         if flags & wire.FLAG_FIRST:
             if landing is not None:
                 raise wire.FrameError("a message started before the previous one ended")
+            if flags & wire.FLAG_LAST and len(data) != total:
+                raise wire.FrameError(f"single-frame message carries {len(data)} of its {total} bytes")
+            self._wait_for_space(src, tag, total + MESSAGE_OVERHEAD_BYTES)
             if flags & wire.FLAG_LAST:
-                if len(data) != total:
-                    raise wire.FrameError(f"single-frame message carries {len(data)} of its {total} bytes")
-                self._arrive_whole_from_stream(src, tag, header, total, data)
-                return
-            self._begin(src, tag, header, total, data)
+                self._arrive_whole(src, tag, header, total, data)
+            else:
+                self._begin(src, tag, header, total, data)
             return
         if landing is None:
             raise wire.FrameError("continuation frame without a message in progress")
         self._continue(src, landing, flags, tag, total, data)
-
-    def _arrive_whole_from_stream(self, src: int, tag: int, header: bytes, total: int, data: memoryview) -> None:
-        self._wait_for_space(src, tag, total + MESSAGE_OVERHEAD_BYTES)
-        with self._lock:
-            if self._abort is not None or self._closed:
-                return
-            recv = self._match_locked(src, tag)
-            if recv is None:
-                incoming = _Incoming(src, tag, header, total)
-                incoming.parts, incoming.received, incoming.complete = [data], total, True
-                self._unexpected.setdefault((src, tag), deque()).append(incoming)
-                self._unmatched_bytes[src] += total + MESSAGE_OVERHEAD_BYTES
-                return
-        self._deliver(recv, header, total, data)
 
     def _wait_for_space(self, src: int, tag: int, incoming_bytes: int) -> None:
         """Backpressure: stop reading from `src` while too much of its data waits unmatched
@@ -739,7 +678,7 @@ class GrpcTransport(Transport):
             while (
                 self._unmatched_bytes[src] > 0
                 and self._unmatched_bytes[src] + incoming_bytes > self._max_unmatched
-                and not self._posted.get((src, tag))
+                and not self._matcher.has_receive((src, tag))
                 and self._abort is None
                 and not self._closed
                 and src not in self._lost
@@ -748,24 +687,20 @@ class GrpcTransport(Transport):
 
     def _begin(self, src: int, tag: int, header: bytes, total: int, data: memoryview) -> None:
         """First frame of a multi-frame message."""
-        self._wait_for_space(src, tag, total + MESSAGE_OVERHEAD_BYTES)
         with self._lock:
             if self._abort is not None or self._closed:
-                self._landing[src] = _Landing(tag, total, None, None, skip=True)
-                return
-            recv = self._match_locked(src, tag)
-            if recv is None:
-                incoming = _Incoming(src, tag, header, total)
-                self._unexpected.setdefault((src, tag), deque()).append(incoming)
-                self._unmatched_bytes[src] += total + MESSAGE_OVERHEAD_BYTES
-                landing = _Landing(tag, total, None, incoming)
+                landing = _Landing(tag, total, None, None, skip=True)
             else:
-                error = self._mismatch(recv, recv.buf.nbytes, header, total)
-                if error is not None:
-                    recv._finish(error)
-                    landing = _Landing(tag, total, None, None, skip=True)
+                recv = self._matcher.take_receive((src, tag))
+                if recv is None:
+                    landing = _Landing(tag, total, None, self._hold(src, tag, header, total))
                 else:
-                    landing = _Landing(tag, total, recv, None)
+                    error = check(recv, header, total)
+                    if error is not None:
+                        recv._finish(error)
+                        landing = _Landing(tag, total, None, None, skip=True)
+                    else:
+                        landing = _Landing(tag, total, recv, None)
             self._landing[src] = landing
         self._land(landing, data)
 
@@ -912,12 +847,18 @@ class GrpcTransport(Transport):
             log.exception("rank %d: failed while receiving from rank %d", self.rank, src)
             context.abort(grpc.StatusCode.INTERNAL, f"rank {self.rank} failed: {error!r}")
         finally:
+            cut_off = None
             with self._lock:
                 landing = self._landing.pop(src, None)
                 self._streams_in.discard(src)
-            if landing is not None and landing.recv is not None:
-                landing.recv._finish(
-                    PeerLostError(f"rank {self.rank}: the message from rank {src} (tag {landing.recv.tag}) was cut off")
+                if landing is not None:
+                    cut_off = landing.receive()
+                    held = landing.incoming
+                    if held is not None:  # no receive may take it any more
+                        self._matcher.withdraw(messages=lambda incoming: incoming is held)
+            if cut_off is not None:
+                cut_off._finish(
+                    PeerLostError(f"rank {self.rank}: the message from rank {src} (tag {cut_off.tag}) was cut off")
                 )
             if not self._closed:
                 self._peer_gone(
@@ -944,17 +885,10 @@ class GrpcTransport(Transport):
             if peer in self._lost:
                 return
             self._lost[peer] = error
-            victims = [r for key, q in self._posted.items() if key[0] == peer for r in q]
-            for key in [key for key in self._posted if key[0] == peer]:
-                del self._posted[key]
-            for key in [key for key in self._unexpected if key[0] == peer]:
-                waiting = self._unexpected[key]
-                victims.extend(i.recv for i in waiting if not i.complete and i.recv is not None)
-                kept = deque(i for i in waiting if i.complete)  # what it finished sending stays receivable
-                if kept:
-                    self._unexpected[key] = kept
-                else:
-                    del self._unexpected[key]
+            # What it finished sending stays receivable; the message it was sending never completes.
+            victims, _ = self._matcher.withdraw(
+                lambda recv: recv.peer == peer, lambda incoming: incoming.src == peer and not incoming.complete
+            )
             self._space.notify_all()
         log.debug("%s", text)
         for request in victims:
@@ -984,19 +918,24 @@ class GrpcTransport(Transport):
             if self._abort is not None:
                 return
             self._abort = abort
-            victims = [r for q in self._posted.values() for r in q]
-            self._posted.clear()
-            for waiting in self._unexpected.values():
-                victims.extend(i.recv for i in waiting if i.recv is not None)
-            self._unexpected.clear()
+            victims = self._withdraw_receives()
             self._unmatched_bytes = [0] * self.size
-            victims.extend(landing.recv for landing in self._landing.values() if landing.recv is not None)
-            self._space.notify_all()
         self._broadcast_abort(abort, skip)
         for request in victims:
             request._finish(error_from_abort(*abort, rank=self.rank))
         for outbox in self._outboxes.values():
             self._fail_queue(outbox, error_from_abort(*abort, rank=self.rank))
+
+    def _withdraw_receives(self) -> list[_Request]:
+        """Forget every waiting receive and held message (the transport failed or closes); returns
+        the receives, to be failed, including those being filled frame by frame. Lock held."""
+        victims, _ = self._matcher.drain()
+        for landing in self._landing.values():
+            receive = landing.receive()
+            if receive is not None:
+                victims.append(receive)
+        self._space.notify_all()
+        return victims
 
     def abort(self, error: BaseException) -> None:
         self._aborted((self.rank, abort_kind(error), str(error)), skip=set())
@@ -1019,13 +958,7 @@ class GrpcTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            victims = [r for q in self._posted.values() for r in q]
-            self._posted.clear()
-            for waiting in self._unexpected.values():
-                victims.extend(i.recv for i in waiting if i.recv is not None)
-            self._unexpected.clear()
-            victims.extend(landing.recv for landing in self._landing.values() if landing.recv is not None)
-            self._space.notify_all()
+            victims = self._withdraw_receives()
         for request in victims:
             request._finish(PeerLostError(f"rank {self.rank}: transport closed with a {request.kind} pending"))
         for call in self._abort_calls:  # let abort notices overtake the end of our streams

@@ -16,7 +16,7 @@ the envelope receive into a reusable 4.6 KiB buffer from a pool and, for a large
 payload receive straight into the caller's buffer at the same time, so a large transfer never
 waits for a round trip. When the envelope arrives its first bytes are compared with the prefix
 the receiver expects (n and h, one `bytearray.startswith`); any difference fails the receive with
-`MismatchError` naming both headers, or both sizes, in the threads backend's words, and the
+`MismatchError` naming both headers, or both sizes (`matching.mismatch_error`), and the
 posted payload receive is cancelled. Since the size travels ahead of the data, a size mismatch is
 reported as such, never as an MPI truncation error, and the receiver never reads past its buffer.
 Small messages (all the header agreement and barrier traffic, 4 KiB all-reduces) are one MPI
@@ -108,14 +108,8 @@ from typing import Any
 import numpy as np
 
 from .base import Transport, check_buffer, emulated_host
-from .errors import (
-    BackendUnavailableError,
-    CollectiveError,
-    MismatchError,
-    PeerLostError,
-    abort_kind,
-    error_from_abort,
-)
+from .errors import BackendUnavailableError, CollectiveError, PeerLostError, abort_kind, error_from_abort
+from .matching import mismatch_error
 
 MAX_HEADER_BYTES = 512
 """Longest header a message may carry."""
@@ -369,26 +363,16 @@ class _Recv(_Request):
         return False
 
     def _mismatch(self) -> None:
-        """The envelope differs from the expected one: say how, in the threads backend's words."""
+        """The envelope differs from the expected one: say how, in every backend's words."""
         raw = self._slot[0]
         sent_bytes = int.from_bytes(raw[:_LENGTH_BYTES], "little")
         start = _LENGTH_BYTES + _HEADER_LENGTH_BYTES
         length = min(int.from_bytes(raw[_LENGTH_BYTES:start], "little"), MAX_HEADER_BYTES)
         sent = bytes(raw[start : start + length])
-        me, src = self._t.rank, self.peer
-        if sent != self._header:
-            message = (
-                f"rank {me} expected from rank {src}: {self._header.decode(errors='replace')}"
-                f"; rank {src} sent: {sent.decode(errors='replace')}"
-            )
-        else:
-            message = (
-                f"rank {me} expected {self._buf.nbytes} bytes from rank {src} (tag {self.tag}), "
-                f"rank {src} sent {sent_bytes} bytes"
-            )
+        error = mismatch_error(self._t.rank, self.peer, self.tag, self._header, self._buf.nbytes, sent, sent_bytes)
         self._t._pool.append(self._slot)  # the envelope has arrived: its buffer is free
         self._slot = None
-        self._fail(MismatchError(message))
+        self._fail(error)
 
 
 class _Failed:

@@ -58,14 +58,13 @@ import _thread
 import gc
 import heapq
 import threading
-from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from .base import Transport
+from .base import PostedRequest, Transport
 from .errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -75,6 +74,7 @@ from .errors import (
     error_from_abort,
     post_refusal,
 )
+from .matching import Matcher, check, copy_payload
 
 T = TypeVar("T")
 
@@ -206,18 +206,12 @@ def _charge(nbytes: int) -> None:
 # -- the engine -------------------------------------------------------------------------------------
 
 
-class _Request:
-    __slots__ = ("sim", "kind", "rank", "peer", "tag", "buf", "nbytes", "header", "completed", "error")
+class _Request(PostedRequest):
+    __slots__ = ("sim", "completed", "error")
 
     def __init__(self, sim: Simulator, kind: str, rank: int, peer: int, tag: int, buf: Any, header: bytes) -> None:
+        PostedRequest.__init__(self, kind, rank, peer, tag, buf, header)  # cheaper than super() per message
         self.sim = sim
-        self.kind = kind
-        self.rank = rank
-        self.peer = peer
-        self.tag = tag
-        self.buf = buf
-        self.nbytes: int = buf.nbytes
-        self.header = header
         self.completed = False
         self.error: CollectiveError | None = None
 
@@ -278,7 +272,8 @@ class Simulator:
         self._now = 0.0
         """Virtual time of the last event processed or rank resumed; ranks may be ahead of it."""
         self._sequence = 0
-        self._unmatched: dict[tuple[int, int, int], deque] = {}
+        self._matcher: Matcher[tuple[int, int, int], _Request, _Message] = Matcher()
+        """Keyed by (source, destination, tag); its messages are in flight or have arrived."""
         self._pending: set[_Request] = set()
         self._send_port = ([0.0] * size, [0.0] * size)  # [inter-node?][rank]: free from this time
         self._recv_port = ([0.0] * size, [0.0] * size)
@@ -487,17 +482,13 @@ class Simulator:
             return request
         self.messages += 1
         message = _Message(request)
-        key = (rank, dst, tag)
-        queue = self._unmatched.get(key)
-        if queue and queue[0].__class__ is _Request:  # a receive is waiting for this message
-            receive = queue.popleft()
-            problem = _mismatch(request, receive)
+        receive = self._matcher.match_message((rank, dst, tag), message)
+        if receive is not None:
+            problem = check(receive, request.header, request.nbytes)
             if problem is not None:
                 self._fail_pair(request, receive, problem)
                 return request
             message.recv = receive
-        else:
-            self._unmatched.setdefault(key, deque()).append(message)
         time = self._ranks[rank].clock
         if time > self._now:  # this rank computed ahead: start the transfer in time order
             self._push(time, message)
@@ -549,21 +540,18 @@ class Simulator:
         request = self._new_request("recv", rank, src, tag, buf, header)
         if request.completed:
             return request
-        key = (src, rank, tag)
-        queue = self._unmatched.get(key)
-        if queue and queue[0].__class__ is _Message:
-            message = queue.popleft()
-            problem = _mismatch(message.send, request)
+        message = self._matcher.match_receive((src, rank, tag), request)
+        if message is not None:
+            send = message.send
+            problem = check(request, send.header, send.nbytes)
             if problem is not None:
                 message.error = problem
-                self._fail_pair(message.send, request, problem)
+                self._fail_pair(send, request, problem)
             elif message.arrived:
                 self._copy(message.staged, request.buf)
                 self._complete(request, self._ranks[rank].clock)
             else:
                 message.recv = request
-        else:
-            self._unmatched.setdefault(key, deque()).append(request)
         return request
 
     def _new_request(self, kind: str, rank: int, peer: int, tag: int, buf: Any, header: bytes) -> _Request:
@@ -598,12 +586,8 @@ class Simulator:
         self._complete(send, time, message.error)
 
     def _copy(self, source: Any, target: Any) -> None:
-        if self.timing_only:
-            return
-        if source.dtype == target.dtype:
-            np.copyto(target, source)
-        else:
-            np.copyto(target.view(np.uint8), source.view(np.uint8))
+        if not self.timing_only:  # messages carry only their size
+            copy_payload(target, source)
 
     # -- failures ----------------------------------------------------------------------------------
 
@@ -612,7 +596,7 @@ class Simulator:
             self._abort = (origin, abort_kind(error), str(error))
         for request in sorted(self._pending, key=lambda r: (r.rank, r.kind, r.peer, r.tag)):
             self._complete(request, self._ranks[request.rank].clock, error_from_abort(*self._abort, rank=request.rank))
-        self._unmatched.clear()
+        self._matcher.drain()
 
     def close(self, rank: int) -> None:
         self._closed.add(rank)
@@ -632,20 +616,6 @@ def _first_completed(requests: Sequence[_Request]) -> int:
         if request.completed:
             return index
     return -1
-
-
-def _mismatch(send: _Request, recv: _Request) -> MismatchError | None:
-    if send.header != recv.header:
-        return MismatchError(
-            f"rank {recv.rank} expected from rank {send.rank}: {recv.header.decode(errors='replace')}"
-            f"; rank {send.rank} sent: {send.header.decode(errors='replace')}"
-        )
-    if send.nbytes != recv.nbytes:
-        return MismatchError(
-            f"rank {recv.rank} expected {recv.nbytes} bytes from rank {send.rank} "
-            f"(tag {send.tag}), rank {send.rank} sent {send.nbytes} bytes"
-        )
-    return None
 
 
 class SimulatedTransport(Transport):

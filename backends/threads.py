@@ -1,7 +1,8 @@
 """In-process transport: every rank is a thread, messages are real copies between buffers.
 
 All ranks of one world share a `ThreadFabric`. A send and a receive are matched by (source,
-destination, tag) in posting order, exactly like MPI, and whichever of the two is posted second
+destination, tag) in posting order, exactly like MPI (`matching.Matcher`, whose unexpected
+messages are the senders' requests themselves), and whichever of the two is posted second
 copies the payload straight from the sender's buffer into the receiver's (one copy, no staging, and
 numpy releases the GIL while it copies, so ranks really run in parallel). Nothing is shared between
 ranks except through messages, so an algorithm that is correct here is correct over MPI.
@@ -14,13 +15,13 @@ another one raised.
 from __future__ import annotations
 
 import threading
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from .base import LockRequest, Transport, check_buffer, wait_first
+from .base import Consume, LockRequest, Transport, check_buffer, wait_first
 from .errors import MismatchError, PeerLostError, abort_kind, error_from_abort, post_refusal
+from .matching import Matcher, check, receive_payload
 
 _SEND = "send"
 _RECV = "recv"
@@ -35,8 +36,9 @@ class ThreadFabric:
         self.hosts = tuple(hosts)
         self.size = len(self.hosts)
         self._lock = threading.Lock()
-        self._unmatched: dict[tuple[str, int, int, int], deque[LockRequest]] = {}
-        self._pending: set[LockRequest] = set()
+        self._matcher: Matcher[tuple[int, int, int], LockRequest, LockRequest] = Matcher()
+        """Keyed by (source, destination, tag). It holds every pending request: a request is
+        completed as soon as it is matched."""
         self._closed: set[int] = set()
         self._abort: tuple[int, str, str] | None = None
 
@@ -45,34 +47,25 @@ class ThreadFabric:
         return ThreadTransport(self, rank)
 
     def post(
-        self,
-        kind: str,
-        rank: int,
-        peer: int,
-        tag: int,
-        buf: np.ndarray,
-        header: bytes,
-        consume: Callable[[np.ndarray], None] | None = None,
+        self, kind: str, rank: int, peer: int, tag: int, buf: np.ndarray, header: bytes, consume: Consume | None = None
     ) -> LockRequest:
         """Post a send or receive; complete it at once if its partner is already waiting."""
         check_buffer(buf)
         if not 0 <= peer < self.size:
             raise ValueError(f"rank {rank}: peer {peer} is outside the world of size {self.size}")
         request = LockRequest(kind, rank, peer, tag, buf, header, consume)
-        src, dst = (rank, peer) if kind == _SEND else (peer, rank)
-        partner_kind = _RECV if kind == _SEND else _SEND
         with self._lock:
-            failure = post_refusal(self._abort, self._closed, rank, peer)
-            if failure is not None:
-                request._finish(failure)
+            if self._abort is not None or self._closed:
+                failure = post_refusal(self._abort, self._closed, rank, peer)
+                if failure is not None:
+                    request._finish(failure)
+                    return request
+            if kind == _SEND:
+                partner = self._matcher.match_message((rank, peer, tag), request)
+            else:
+                partner = self._matcher.match_receive((peer, rank, tag), request)
+            if partner is None:
                 return request
-            partners = self._unmatched.get((partner_kind, src, dst, tag))
-            if not partners:
-                self._unmatched.setdefault((kind, src, dst, tag), deque()).append(request)
-                self._pending.add(request)
-                return request
-            partner = partners.popleft()
-            self._pending.discard(partner)
         send, recv = (request, partner) if kind == _SEND else (partner, request)
         _deliver(send, recv)
         return request
@@ -82,61 +75,36 @@ class ThreadFabric:
         with self._lock:
             if self._abort is None:
                 self._abort = (origin, abort_kind(error), str(error))
-            victims = list(self._pending)
-            self._pending.clear()
-            self._unmatched.clear()
+            receives, sends = self._matcher.drain()
             abort = self._abort
-        for request in victims:
+        for request in receives + sends:
             request._finish(error_from_abort(*abort, rank=request.rank))
 
     def close(self, rank: int) -> None:
         """Close one rank's endpoint; requests that involve it fail instead of waiting forever."""
+
+        def involved(request: LockRequest) -> bool:
+            return rank in (request.rank, request.peer)
+
         with self._lock:
             self._closed.add(rank)
-            victims = [r for r in self._pending if rank in (r.rank, r.peer)]
-            for request in victims:
-                self._pending.discard(request)
-                src, dst = (request.rank, request.peer)
-                if request.kind == _RECV:
-                    src, dst = dst, src
-                self._unmatched[(request.kind, src, dst, request.tag)].remove(request)
-        for request in victims:
+            receives, sends = self._matcher.withdraw(involved, involved)
+        for request in receives + sends:
             who = "transport" if request.rank == rank else f"peer rank {rank}'s transport"
             request._finish(PeerLostError(f"rank {request.rank}: {who} closed with a {request.kind} pending"))
 
 
 def _deliver(send: LockRequest, recv: LockRequest) -> None:
-    """Copy a matched message, or fail both sides saying what each expected."""
-    error = None
-    if send.header != recv.header:
-        error = (
-            f"rank {recv.rank} expected from rank {send.rank}: {recv.header.decode(errors='replace')}"
-            f"; rank {send.rank} sent: {send.header.decode(errors='replace')}"
-        )
-    elif send.buf.nbytes != recv.buf.nbytes:
-        error = (
-            f"rank {recv.rank} expected {recv.buf.nbytes} bytes from rank {send.rank} "
-            f"(tag {send.tag}), rank {send.rank} sent {send.buf.nbytes} bytes"
-        )
+    """Copy a matched message straight from the sender's buffer, or fail both sides saying what
+    each had."""
+    error = check(recv, send.header, send.nbytes)
     if error is not None:
-        send._finish(MismatchError(error))
-        recv._finish(MismatchError(error))
+        send._finish(MismatchError(*error.args))  # its own object: each rank's raise adds its own traceback
+        recv._finish(error)
         return
-    if recv.consume is not None:
-        try:
-            recv.consume(send.buf)
-        except BaseException as failure:  # noqa: BLE001 - reported to the receiver, not the sender
-            send._finish()
-            recv._finish(
-                PeerLostError(f"rank {recv.rank}: reducing the message from rank {send.rank} failed: {failure!r}")
-            )
-            return
-    elif send.buf.dtype == recv.buf.dtype:
-        np.copyto(recv.buf, send.buf)
-    else:
-        np.copyto(recv.buf.view(np.uint8), send.buf.view(np.uint8))
+    failure = receive_payload(recv, send.buf)
     send._finish()
-    recv._finish()
+    recv._finish(failure)
 
 
 class ThreadTransport(Transport):
@@ -162,14 +130,7 @@ class ThreadTransport(Transport):
         """Block until one of `requests` completes: its completion wakes this thread, no polling."""
         wait_first(requests, timeout)
 
-    def irecv_reduce(
-        self,
-        buf: np.ndarray,
-        src: int,
-        tag: int,
-        header: bytes,
-        consume: Callable[[np.ndarray], None],
-    ) -> LockRequest:
+    def irecv_reduce(self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Consume) -> LockRequest:
         return self.fabric.post(_RECV, self.rank, src, tag, buf, header, consume)
 
     def abort(self, error: BaseException) -> None:
