@@ -71,6 +71,7 @@ from .errors import (
     MismatchError,
     PeerLostError,
     abort_kind,
+    add_note,
     error_from_abort,
     post_refusal,
 )
@@ -687,7 +688,7 @@ def _outcome(sim: Simulator, results: list, errors: list[tuple[int, BaseExceptio
     cluster = sim.cluster
     if errors:
         rank, error = errors[0]
-        error.add_note(f"raised on simulated rank {rank} of {cluster.size}")
+        add_note(error, f"raised on simulated rank {rank} of {cluster.size}")
         raise error
     finish = tuple(sim.clock(rank) for rank in range(cluster.size))
     return SimulationResult(tuple(results), finish, sim.messages)  # type: ignore[arg-type]
