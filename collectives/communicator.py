@@ -47,7 +47,7 @@ from collectives.core.ops import ReduceOp, check_reduction, finalize
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Explanation, Selector, Tuning
-from collectives.selection.tuning import TUNE_SIZES, cache_file, decode, default_cache_dir, encode, measure
+from collectives.selection.tuning import TUNE_SIZES, load_or_measure
 
 log = logging.getLogger(__name__)
 
@@ -404,36 +404,11 @@ class Communicator:
         """
         if self.size == 1:
             return Tuning(())
-        fingerprint = self.topology.fingerprint(
-            f"{type(self._transport).__name__}|segment={self.segment_bytes}|{__version__}"
+        costs, tuning = load_or_measure(
+            self, sizes, backend=type(self._transport).__name__, cache_dir=cache_dir, use_cache=use_cache
         )
-        path = cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint)
-        if use_cache and (cached := self._read_shared(path, fingerprint)) is not None:
-            costs, tuning = cached
-        else:
-            costs = self.probe()
-            tuning = measure(self, self._selector, sorted(sizes))
-            if use_cache and self.rank == 0:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                scratch = path.with_suffix(f".{os.getpid()}.tmp")
-                scratch.write_bytes(encode(costs, tuning, fingerprint))
-                scratch.replace(path)
         self._selector = Selector(self.topology, costs, self.segment_bytes, tuning)
         return tuning
-
-    def _read_shared(self, path: os.PathLike, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
-        """Rank 0's copy of a tuning file, broadcast so that every rank decodes the same bytes."""
-        data = b""
-        if self.rank == 0:
-            try:
-                data = open(path, "rb").read()
-            except OSError:
-                pass
-        length = int(self.broadcast(np.array([len(data)], dtype=np.int64))[0])
-        if length == 0:
-            return None
-        payload = np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.empty(length, dtype=np.uint8)
-        return decode(self.broadcast(payload).tobytes(), fingerprint)
 
     # -- life cycle -------------------------------------------------------------------------------
 
