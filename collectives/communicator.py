@@ -39,11 +39,20 @@ from collectives.algorithms.allreduce import ALLREDUCE_ALGORITHMS, run_allreduce
 from collectives.algorithms.barrier import dissemination_barrier
 from collectives.algorithms.ring import ring_allgather, ring_reduce_scatter
 from collectives.algorithms.tree import tree_broadcast
+from collectives.arguments import (
+    checked_root,
+    collective_header,
+    copy_back,
+    flat_view,
+    output_buffers,
+    reduction_input,
+    transfer_input,
+)
 from collectives.backends.base import Transport
 from collectives.backends.errors import CollectiveTimeoutError, CommunicatorBrokenError
 from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
-from collectives.core.ops import ReduceOp, check_reduction, finalize
+from collectives.core.ops import ReduceOp, finalize
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Explanation, Selector, Tuning
@@ -221,18 +230,16 @@ class Communicator:
         self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None
     ) -> Work:
         """Start `allreduce`; returns a `Work` whose result is the reduced array."""
-        op = ReduceOp.parse(op)
-        src = _as_array(x)
-        check_reduction(op, src.dtype)
+        src, op = reduction_input(x, op)
         chosen = self._choose_allreduce(algorithm, src.nbytes)
         if chosen == NATIVE and src.dtype not in self._transport.native_dtypes:
             supported = ", ".join(str(d) for d in self._transport.native_dtypes)
             raise TypeError(f"algorithm 'native' cannot reduce {src.dtype} on this backend; it supports {supported}")
         self.last_algorithm = chosen
-        result, target = _output(out, src.shape, src.dtype)
-        flat = _flat(src)
+        result, target = output_buffers(out, src.shape, src.dtype)
+        flat = flat_view(src)
         if self.size == 1:
-            return _done(_copy_back(result, target, flat))
+            return _done(copy_back(result, target, flat))
         nodes = self.topology.nodes
 
         def run(group: Group) -> np.ndarray:
@@ -254,9 +261,9 @@ class Communicator:
                 finalize(op, target, self.size)
             else:
                 run_allreduce(chosen, group, nodes, flat, target, op, segment_bytes=self.segment_bytes)
-            return _copy_back(result, target)
+            return copy_back(result, target)
 
-        return self._submit(_header("allreduce", src, algorithm=chosen, op=op.value), run)
+        return self._submit(collective_header("allreduce", src, algorithm=chosen, op=op.value), run)
 
     def reduce_scatter(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> np.ndarray:
         """Reduce `x` over all ranks and keep this rank's block of rows (ring algorithm).
@@ -273,28 +280,26 @@ class Communicator:
 
     def reduce_scatter_async(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> Work:
         """Start `reduce_scatter`; returns a `Work` whose result is this rank's block."""
-        op = ReduceOp.parse(op)
-        src = _as_array(x)
-        check_reduction(op, src.dtype)
+        src, op = reduction_input(x, op)
         if src.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension to split")
         rows = even_bounds(src.shape[0], self.size)
         row_items = math.prod(src.shape[1:])
         bounds = [row * row_items for row in rows]
         shape = (rows[self.rank + 1] - rows[self.rank], *src.shape[1:])
-        result, target = _output(out, shape, src.dtype)
-        flat = _flat(src)
+        result, target = output_buffers(out, shape, src.dtype)
+        flat = flat_view(src)
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
-            return _done(_copy_back(result, target, flat[mine]))
+            return _done(copy_back(result, target, flat[mine]))
 
         def run(group: Group) -> np.ndarray:
             work_space = self._reusable_work_space(flat)
             ring_reduce_scatter(group, flat, work_space, op, bounds, segment_bytes=self.segment_bytes)
             finalize(op, work_space[mine], self.size)
-            return _copy_back(result, target, work_space[mine])
+            return copy_back(result, target, work_space[mine])
 
-        return self._submit(_header("reduce_scatter", src, algorithm="ring", op=op.value), run)
+        return self._submit(collective_header("reduce_scatter", src, algorithm="ring", op=op.value), run)
 
     def allgather(self, x: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Concatenate every rank's `x` (same shape on all ranks) along the first axis, rank order.
@@ -308,22 +313,22 @@ class Communicator:
 
     def allgather_async(self, x: Any, out: np.ndarray | None = None) -> Work:
         """Start `allgather`; returns a `Work` whose result is the concatenation."""
-        src = _as_array(x, reduction=False)
+        src = transfer_input(x)
         rows = src.shape[0] if src.ndim else 1
         shape = (self.size * rows, *src.shape[1:])
-        result, target = _output(out, shape, src.dtype)
+        result, target = output_buffers(out, shape, src.dtype)
         bounds = [rank * src.size for rank in range(self.size + 1)]
-        flat = _flat(src)
+        flat = flat_view(src)
         own = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
-            return _done(_copy_back(result, target, flat))
+            return _done(copy_back(result, target, flat))
 
         def run(group: Group) -> np.ndarray:
             target[own] = flat
             ring_allgather(group, target, bounds, segment_bytes=self.segment_bytes)
-            return _copy_back(result, target)
+            return copy_back(result, target)
 
-        return self._submit(_header("allgather", src, algorithm="ring"), run)
+        return self._submit(collective_header("allgather", src, algorithm="ring"), run)
 
     def broadcast(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Return rank `root`'s `x` on every rank (pipelined binary tree).
@@ -337,22 +342,20 @@ class Communicator:
 
     def broadcast_async(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> Work:
         """Start `broadcast`; returns a `Work` whose result is the root's array."""
-        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
-            raise ValueError(f"root must be a rank in 0..{self.size - 1}, got {root!r}")
-        root = int(root)
-        src = _as_array(x, reduction=False)
-        result, target = _output(out, src.shape, src.dtype)
-        flat = _flat(src)
+        root = checked_root(root, self.size)
+        src = transfer_input(x)
+        result, target = output_buffers(out, src.shape, src.dtype)
+        flat = flat_view(src)
         if self.size == 1:
-            return _done(_copy_back(result, target, flat))
+            return _done(copy_back(result, target, flat))
 
         def run(group: Group) -> np.ndarray:
             if group.rank == root and not np.may_share_memory(target, flat):
                 target[...] = flat
             tree_broadcast(group, target, root, segment_bytes=self.segment_bytes)
-            return _copy_back(result, target)
+            return copy_back(result, target)
 
-        return self._submit(_header("broadcast", src, algorithm="tree", root=root), run)
+        return self._submit(collective_header("broadcast", src, algorithm="tree", root=root), run)
 
     def barrier(self) -> None:
         """Return only after every rank has called `barrier`."""
@@ -560,66 +563,6 @@ class Communicator:
                 raise
         rows = table.reshape(self.size, _HOST_RECORD_BYTES)
         return tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows)
-
-
-# -- argument handling ------------------------------------------------------------------------------
-
-
-def _as_array(x: Any, *, reduction: bool = True) -> np.ndarray:
-    """The input as a numpy array, or a TypeError saying what was expected."""
-    if isinstance(x, np.ndarray):
-        array = x
-    elif hasattr(x, "__array__") or isinstance(x, (int, float, list, tuple)):
-        array = np.asarray(x)
-    else:
-        raise TypeError(f"expected a numpy array (or array-like), got {type(x).__name__}")
-    if not reduction and (array.dtype.hasobject or array.dtype.kind not in "biufc"):
-        raise TypeError(f"cannot communicate arrays of dtype {array.dtype}; use a numeric dtype")
-    return array
-
-
-def _output(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(array returned to the caller, flat contiguous buffer the algorithm writes)."""
-    if out is None:
-        result = np.empty(shape, dtype=dtype)
-        return result, result.reshape(-1)
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-    if out.shape != tuple(shape) or out.dtype != dtype:
-        raise ValueError(
-            f"out must have shape {tuple(shape)} and dtype {dtype}, got shape {out.shape} and dtype {out.dtype}"
-        )
-    if not out.flags.writeable:
-        raise ValueError("out is read-only")
-    if out.flags.c_contiguous:
-        return out, out.reshape(-1)
-    return out, np.empty(out.size, dtype=dtype)
-
-
-def _flat(array: np.ndarray) -> np.ndarray:
-    """A 1-D C-contiguous view of `array` (a copy only if it is not contiguous)."""
-    return np.ascontiguousarray(array).reshape(-1)
-
-
-def _copy_back(result: np.ndarray, target: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
-    """Move `source` (if given) into `target`, then `target` into `result` if they differ."""
-    if source is not None and not np.may_share_memory(source, target):
-        target[...] = source
-    if not np.may_share_memory(result, target):
-        result[...] = target.reshape(result.shape)
-    return result
-
-
-def _header(
-    collective: str, src: np.ndarray, *, algorithm: str, op: str | None = None, root: int | None = None
-) -> bytes:
-    """What every message of this collective carries; ranks must agree on all of it."""
-    words = [collective, f"algorithm={algorithm}", f"dtype={src.dtype}", f"shape={src.shape}"]
-    if op is not None:
-        words.append(f"op={op}")
-    if root is not None:
-        words.append(f"root={root}")
-    return " ".join(words).encode()
 
 
 def _done(result: Any) -> Work:
