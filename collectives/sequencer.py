@@ -22,14 +22,13 @@ The sequencer knows nothing of algorithms: a collective is a header and a functi
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -88,6 +87,22 @@ def completed_work(result: Any) -> Work:
     return work
 
 
+class _BlockingCall(threading.local):
+    """Whether this thread is inside a blocking call; entering it as a context manager says so.
+
+    A class rather than `contextlib.contextmanager`: it is entered on every blocking collective,
+    and a generator-based context manager costs several times as much.
+    """
+
+    active = False
+
+    def __enter__(self) -> None:
+        self.active = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.active = False
+
+
 @dataclass
 class _Task:
     seq: int
@@ -113,7 +128,7 @@ class Sequencer:
         self._next_to_run = 1  # sequence number of the collective allowed to start next
         self._submit_lock = threading.Lock()
         self._turn = threading.Condition(self._submit_lock)
-        self._calling_thread = threading.local()
+        self._blocking_call = _BlockingCall()
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         """The communication thread, started by the first collective that is queued."""
@@ -139,14 +154,9 @@ class Sequencer:
             self._break(error)
             raise
 
-    @contextlib.contextmanager
-    def blocking_call(self) -> Iterator[None]:
-        """Mark collectives submitted inside as ones whose caller waits for them at once."""
-        self._calling_thread.blocking = True
-        try:
-            yield
-        finally:
-            self._calling_thread.blocking = False
+    def blocking_call(self) -> _BlockingCall:
+        """A context manager: collectives submitted inside are ones whose caller waits for them at once."""
+        return self._blocking_call
 
     def submit(self, header: bytes, run: Callable[[Group], Any]) -> Work:
         """Give `run` the next place in the call order; the returned `Work` gets its result.
@@ -162,7 +172,7 @@ class Sequencer:
             if (refusal := self._refusal()) is not None:
                 raise refusal
             task = _Task(next(self._sequence), header, run, work)
-            if getattr(self._calling_thread, "blocking", False) and task.seq == self._next_to_run:
+            if self._blocking_call.active and task.seq == self._next_to_run:
                 work._run_here = functools.partial(self._execute, task)
             else:
                 self._enqueue(task)
