@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TAG_WRAP = 1 << 24
-"""Sequence numbers wrap here when they become tags, keeping tags in every backend's range."""
+"""Sequence numbers wrap here when they become tag blocks, so library tags stay below 2**30; a power
+of two, so that backends which fold tags modulo a smaller power of two still keep consecutive blocks apart."""
 
 _SETUP_SEQUENCE = 0
 """The tag block of `run_setup`; collectives are numbered from 1."""
