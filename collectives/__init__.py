@@ -28,10 +28,11 @@ from collectives.backends.errors import (
     PeerLostError,
 )
 from collectives.bootstrap import default_communicator, init
-from collectives.communicator import DEFAULT_TIMEOUT, NATIVE, Communicator, Work
+from collectives.communicator import DEFAULT_TIMEOUT, NATIVE, Communicator
 from collectives.core.ops import REDUCTION_DTYPES, ReduceOp
 from collectives.core.topology import Topology
 from collectives.runner import run_threads
+from collectives.sequencer import Work
 
 __all__ = [
     "BackendUnavailableError",

@@ -113,7 +113,7 @@ def test_tune_caches_by_fingerprint(tmp_path, monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("measured again although a tuning file exists")
 
-    monkeypatch.setattr(collectives.communicator, "measure", refuse)
+    monkeypatch.setattr(collectives.selection.tuning, "measure", refuse)
     second = collectives.run_threads(body, 4, ranks_per_node=2)
     assert second == first
 

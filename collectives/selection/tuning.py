@@ -13,7 +13,8 @@ every rank keeps identical numbers.
 The probed link costs and the ratios are saved as JSON under a name made from the topology's
 fingerprint (backend, node layout, segment size, library version). Rank 0 reads the file and
 broadcasts it, so a second run with the same layout starts tuned without measuring, and ranks on
-different machines cannot end up with different files' contents.
+different machines cannot end up with different files' contents. Rank 0 alone writes it, through a
+scratch file renamed into place, so a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from collectives._version import __version__
-from collectives.core.topology import LinkCost, LinkCosts
+from collectives.core.topology import LinkCost, LinkCosts, Topology
 from collectives.selection.selector import Selector, Tuning
 
 if TYPE_CHECKING:
@@ -50,6 +51,60 @@ def default_cache_dir() -> Path:
 
 def cache_file(directory: str | os.PathLike, fingerprint: str) -> Path:
     return Path(directory) / f"tuning-{fingerprint}.json"
+
+
+def _cache_fingerprint(topology: Topology, backend: str, segment_bytes: int) -> str:
+    """What a tuning file is valid for: this node layout on `backend` (a transport's class name),
+    at this segment size, measured by this version of the library."""
+    return topology.fingerprint(f"{backend}|segment={segment_bytes}|{__version__}")
+
+
+def load_or_measure(
+    comm: Communicator,
+    sizes: Sequence[int],
+    *,
+    backend: str,
+    cache_dir: str | os.PathLike | None,
+    use_cache: bool,
+) -> tuple[LinkCosts, Tuning]:
+    """The link costs and tuning of `comm`'s world (a collective, identical on every rank).
+
+    Read from the cache file for this layout when there is one (and `use_cache`); otherwise probed
+    and measured at `sizes`, and saved when `use_cache`. `cache_dir` None means `default_cache_dir()`.
+    """
+    fingerprint = _cache_fingerprint(comm.topology, backend, comm.segment_bytes)
+    path = cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint)
+    if use_cache and (cached := _read_shared(comm, path, fingerprint)) is not None:
+        return cached
+    costs = comm.probe()
+    tuning = measure(comm, Selector(comm.topology, costs, comm.segment_bytes), sorted(sizes))
+    if use_cache and comm.rank == 0:
+        _write_atomically(path, encode(costs, tuning, fingerprint))
+    return costs, tuning
+
+
+def _read_shared(comm: Communicator, path: Path, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
+    """Rank 0's copy of a tuning file, broadcast so that every rank decodes the same bytes (a
+    collective); None when rank 0 has none or it is for something else."""
+    data = b""
+    if comm.rank == 0:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            pass
+    length = int(comm.broadcast(np.array([len(data)], dtype=np.int64))[0])
+    if length == 0:
+        return None
+    payload = np.frombuffer(data, dtype=np.uint8) if comm.rank == 0 else np.empty(length, dtype=np.uint8)
+    return decode(comm.broadcast(payload).tobytes(), fingerprint)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Replace the file at `path` with `data` at once (through a scratch file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_bytes(data)
+    scratch.replace(path)
 
 
 def measure(comm: Communicator, selector: Selector, sizes: Sequence[int], *, rounds: int = ROUNDS) -> Tuning:

@@ -1,0 +1,107 @@
+"""Checking and shaping the arguments of one collective call, before anything is sent.
+
+A bad argument must fail in the caller, with a `TypeError` or `ValueError` naming what was
+expected and what came, and before any message leaves: a rank that gave up half-way would leave
+its peers waiting. So every check here runs on the caller's thread, on the caller's arguments
+only, and touches nothing shared.
+
+Here is also decided where a result goes: into a fresh array, or into the caller's `out` (through
+a contiguous stand-in when `out` is not contiguous, copied back at the end), and what header every
+message of the collective carries, so that ranks that called differently find out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from collectives.core.ops import ReduceOp, check_reduction
+
+
+def reduction_input(x: Any, op: str | ReduceOp) -> tuple[np.ndarray, ReduceOp]:
+    """`x` as an array and `op` parsed, for all-reduce and reduce-scatter.
+
+    Raises:
+        ValueError: `op` is not a reduction op (checked first).
+        TypeError: `x` is not array-like, or `op` cannot reduce its dtype.
+    """
+    op = ReduceOp.parse(op)
+    src = _as_array(x)
+    check_reduction(op, src.dtype)
+    return src, op
+
+
+def transfer_input(x: Any) -> np.ndarray:
+    """`x` as an array of a dtype that can be sent as it is, for all-gather and broadcast.
+
+    Raises:
+        TypeError: `x` is not array-like, or its dtype is not numeric (objects, strings, ...).
+    """
+    src = _as_array(x)
+    if src.dtype.hasobject or src.dtype.kind not in "biufc":
+        raise TypeError(f"cannot communicate arrays of dtype {src.dtype}; use a numeric dtype")
+    return src
+
+
+def checked_root(root: Any, size: int) -> int:
+    """`root` as an int rank of a world of `size` ranks, or a ValueError (bools are not ranks)."""
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"root must be a rank in 0..{size - 1}, got {root!r}")
+    return int(root)
+
+
+def output_buffers(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(the array returned to the caller, the flat contiguous buffer the algorithm writes).
+
+    They share memory unless `out` is not contiguous; `copy_back` then moves the result over.
+    """
+    if out is None:
+        result = np.empty(shape, dtype=dtype)
+        return result, result.reshape(-1)
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.shape != tuple(shape) or out.dtype != dtype:
+        raise ValueError(
+            f"out must have shape {tuple(shape)} and dtype {dtype}, got shape {out.shape} and dtype {out.dtype}"
+        )
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
+    if out.flags.c_contiguous:
+        return out, out.reshape(-1)
+    return out, np.empty(out.size, dtype=dtype)
+
+
+def flat_view(array: np.ndarray) -> np.ndarray:
+    """A 1-D C-contiguous view of `array` (a copy only if it is not contiguous): what algorithms take."""
+    return np.ascontiguousarray(array).reshape(-1)
+
+
+def copy_back(result: np.ndarray, target: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
+    """Move `source` (if given) into `target`, then `target` into `result` if they differ; return `result`."""
+    if source is not None and not np.may_share_memory(source, target):
+        target[...] = source
+    if not np.may_share_memory(result, target):
+        result[...] = target.reshape(result.shape)
+    return result
+
+
+def collective_header(
+    collective: str, src: np.ndarray, *, algorithm: str, op: str | None = None, root: int | None = None
+) -> bytes:
+    """What every message of this collective carries; ranks must agree on all of it."""
+    words = [collective, f"algorithm={algorithm}", f"dtype={src.dtype}", f"shape={src.shape}"]
+    if op is not None:
+        words.append(f"op={op}")
+    if root is not None:
+        words.append(f"root={root}")
+    return " ".join(words).encode()
+
+
+def _as_array(x: Any) -> np.ndarray:
+    """The input as a numpy array, or a TypeError saying what was expected."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__array__") or isinstance(x, (int, float, list, tuple)):
+        return np.asarray(x)
+    raise TypeError(f"expected a numpy array (or array-like), got {type(x).__name__}")

@@ -1,0 +1,262 @@
+"""`Sequencer`: runs a communicator's collectives one at a time, in call order; and `Work`, the
+handle of one of them.
+
+Collectives are only safe if the k-th collective of every rank meets the k-th of the others. So
+every call is numbered when it is submitted and they run strictly in that order, each on a `Group`
+of its own: its own tag block (the messages of consecutive collectives never mix), the header
+every message carries (with a `HeaderAgreement`, so ranks that called differently fail with
+`MismatchError` instead of returning garbage or hanging) and a deadline for every wait.
+
+Calls run on one communication thread, started by the first call queued, so async calls overlap
+the caller's work. A blocking call that finds nothing queued or running skips the thread: it runs
+on the caller's own thread when the caller waits (the fast path), because two thread hand-offs
+dominate the latency of a small collective.
+
+After any failure the sequencer is broken: it aborts the transport, so that every peer fails fast
+instead of waiting for this rank, and refuses every later call at once with a message naming the
+error; calls queued behind the failed one fail the same way without sending anything.
+
+The sequencer knows nothing of algorithms: a collective is a header and a function of a `Group`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from collectives.backends.base import Transport
+from collectives.backends.errors import CommunicatorBrokenError
+from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TAG_WRAP = 1 << 24
+"""Sequence numbers wrap here when they become tag blocks, so library tags stay below 2**30; a power
+of two, so that backends which fold tags modulo a smaller power of two still keep consecutive blocks apart."""
+
+_SETUP_SEQUENCE = 0
+"""The tag block of `run_setup`; collectives are numbered from 1."""
+
+
+class Work(concurrent.futures.Future):
+    """Handle of an asynchronous collective; a `concurrent.futures.Future` with `wait`.
+
+    Collectives cannot be cancelled: every rank must run the same sequence of them.
+    `started_at` and `finished_at` (`time.perf_counter()` seconds, None until then) say when the
+    collective actually ran, which is later than its submission when others were queued ahead
+    of it; timelines use them to show communication against computation.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._run_here: Callable[[], None] | None = None
+        """Set by `Sequencer.submit` on the fast path: the collective, left for `wait` to run."""
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the collective finishes and return its result (or raise its error).
+
+        Raises:
+            TimeoutError: `timeout` seconds passed first (the collective keeps running).
+        """
+        if self._run_here is not None:  # a blocking call that found the communicator idle
+            run, self._run_here = self._run_here, None
+            run()
+        return self.result(timeout)
+
+    def cancel(self) -> bool:
+        return False
+
+
+def completed_work(result: Any) -> Work:
+    """A `Work` that is already done with `result` (a collective with nothing to exchange)."""
+    work = Work()
+    work.started_at = work.finished_at = time.perf_counter()
+    work.set_running_or_notify_cancel()
+    work.set_result(result)
+    return work
+
+
+class _BlockingCall(threading.local):
+    """Whether this thread is inside a blocking call; entering it as a context manager says so.
+
+    A class rather than `contextlib.contextmanager`: it is entered on every blocking collective,
+    and a generator-based context manager costs several times as much.
+    """
+
+    active = False
+
+    def __enter__(self) -> None:
+        self.active = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.active = False
+
+
+@dataclass
+class _Task:
+    seq: int
+    header: bytes
+    run: Callable[[Group], Any]
+    work: Work
+
+
+class Sequencer:
+    """Runs the collectives submitted to it one at a time, in submission order, over `transport`.
+
+    Args:
+        transport: this rank's endpoint; aborted on the first failure, closed by `close()`.
+        timeout: seconds each collective may take before its waits fail.
+    """
+
+    def __init__(self, transport: Transport, timeout: float) -> None:
+        self._transport = transport
+        self.timeout = timeout
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._sequence = itertools.count(1)
+        self._next_to_run = 1  # sequence number of the collective allowed to start next
+        self._submit_lock = threading.Lock()
+        self._turn = threading.Condition(self._submit_lock)
+        self._blocking_call = _BlockingCall()
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        """The communication thread, started by the first collective that is queued."""
+
+    @property
+    def broken(self) -> bool:
+        """Whether a collective failed, so that no further one may run."""
+        return self._broken is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run_setup(self, header: bytes, run: Callable[[Group], T]) -> T:
+        """Run `run` on this thread, before any collective and on a tag block none of them uses.
+
+        For what the communicator must learn before it can take calls (every rank's host). A
+        failure breaks the sequencer, so that the peers stop waiting, and is raised here.
+        """
+        try:
+            return run(self._group(_SETUP_SEQUENCE, header))
+        except BaseException as error:
+            self._break(error)
+            raise
+
+    def blocking_call(self) -> _BlockingCall:
+        """A context manager: collectives submitted inside are ones whose caller waits for them at once."""
+        return self._blocking_call
+
+    def submit(self, header: bytes, run: Callable[[Group], Any]) -> Work:
+        """Give `run` the next place in the call order; the returned `Work` gets its result.
+
+        The collective is queued for the communication thread; or, for a blocking call that finds
+        nothing queued or running, left to run on the caller's thread when it waits.
+
+        Raises:
+            CommunicatorBrokenError: an earlier collective failed, or `close()` was called.
+        """
+        work = Work()
+        with self._submit_lock:
+            if (refusal := self._refusal()) is not None:
+                raise refusal
+            task = _Task(next(self._sequence), header, run, work)
+            if self._blocking_call.active and task.seq == self._next_to_run:
+                work._run_here = functools.partial(self._execute, task)
+            else:
+                self._enqueue(task)
+        return work
+
+    def close(self) -> None:
+        """Finish queued collectives, stop the communication thread and close the transport."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+        self._transport.close()
+
+    def _enqueue(self, task: _Task) -> None:
+        """Hand `task` to the communication thread, starting it for the first one."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve, name=f"collectives-rank{self._transport.rank}", daemon=True
+            )
+            self._thread.start()
+        self._queue.put(task)
+
+    def _refusal(self) -> CommunicatorBrokenError | None:
+        """Why no new collective may start, or None."""
+        if self._broken is not None:
+            return self._broken_refusal(self._broken)
+        if self._closed:
+            return CommunicatorBrokenError(f"rank {self._transport.rank}: the communicator is closed")
+        return None
+
+    def _broken_refusal(self, cause: BaseException) -> CommunicatorBrokenError:
+        return CommunicatorBrokenError(
+            f"rank {self._transport.rank}: the communicator is broken since an earlier collective failed "
+            f"({type(cause).__name__}: {cause}); create a new one"
+        )
+
+    def _group(self, seq: int, header: bytes) -> Group:
+        """The whole world as the group of collective number `seq`, its deadline starting now."""
+        transport, timeout = self._transport, self.timeout
+        tag = (seq % _TAG_WRAP) * SUBTAGS_PER_COLLECTIVE
+        deadline = time.monotonic() + timeout
+        return Group(transport, tuple(range(transport.size)), tag, header, deadline, timeout)
+
+    def _serve(self) -> None:
+        """The communication thread: run queued collectives one at a time, in call order."""
+        while (task := self._queue.get()) is not None:
+            with self._turn:  # a blocking call may still be running an earlier one
+                self._turn.wait_for(lambda: task.seq == self._next_to_run)
+            self._execute(task)
+
+    def _execute(self, task: _Task) -> None:
+        task.work.set_running_or_notify_cancel()
+        task.work.started_at = time.perf_counter()
+        try:
+            if self._broken is not None:  # queued before the failure: fail fast, do not talk
+                raise self._broken_refusal(self._broken)
+            group = self._group(task.seq, task.header).with_agreement()
+            result = task.run(group)
+            group.finish_agreement()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller through Work
+            if not isinstance(error, CommunicatorBrokenError):
+                self._break(error)
+            self._finish(task)
+            task.work.set_exception(error)
+        else:
+            self._finish(task)
+            task.work.set_result(result)
+
+    def _finish(self, task: _Task) -> None:
+        """Let the next collective start; done before the result is published, so that a caller
+        woken by this result can run its next collective at once."""
+        task.work.finished_at = time.perf_counter()
+        with self._turn:
+            self._next_to_run = task.seq + 1
+            self._turn.notify_all()
+
+    def _break(self, error: BaseException) -> None:
+        """Remember the failure and make every peer fail fast instead of waiting for us."""
+        if self._broken is None:
+            self._broken = error
+            log.error("rank %d: collective failed, communicator is now broken: %s", self._transport.rank, error)
+        self._transport.abort(error)

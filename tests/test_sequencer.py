@@ -1,0 +1,260 @@
+"""The call-order machinery under the communicator (`collectives.sequencer`), over the threads
+backend and without any algorithm: run functions here talk through the `Group` they are given."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from collectives.backends.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommunicatorBrokenError,
+    MismatchError,
+)
+from collectives.backends.threads import ThreadFabric
+from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
+from collectives.sequencer import Sequencer, Work, completed_work
+
+TIMEOUT = 20.0
+"""Collective timeout: long enough that reaching it means something failed to fail fast."""
+
+
+@pytest.fixture
+def lone() -> Iterator[Sequencer]:
+    """A one-rank sequencer (its collectives exchange nothing), closed afterwards."""
+    sequencer = Sequencer(ThreadFabric(["localhost"]).endpoint(0), TIMEOUT)
+    yield sequencer
+    sequencer.close()
+
+
+def on_every_rank(world_size: int, body: Callable[[Sequencer, int], Any]) -> list[Any]:
+    """Run `body(sequencer, rank)` with one sequencer per rank, each on its own thread; return the
+    results in rank order. A failing rank aborts the fabric so the others fail too; the first error is raised."""
+    fabric = ThreadFabric(["localhost"] * world_size)
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException] = []
+
+    def main(rank: int) -> None:
+        sequencer = Sequencer(fabric.endpoint(rank), TIMEOUT)
+        try:
+            results[rank] = body(sequencer, rank)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(error)
+            fabric.abort(rank, error)
+        finally:
+            sequencer.close()
+
+    threads = [threading.Thread(target=main, args=(rank,), daemon=True) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * TIMEOUT)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def exchange(group: Group, value: int) -> int:
+    """Send `value` to the next member and return what the previous one sent."""
+    inbox = np.empty(1, dtype=np.int64)
+    receive = group.irecv(inbox, (group.rank - 1) % group.size)
+    send = group.isend(np.array([value], dtype=np.int64), (group.rank + 1) % group.size)
+    group.waitall([receive, send])
+    return int(inbox[0])
+
+
+# -- call order ----------------------------------------------------------------------------------
+
+
+def test_calls_from_several_threads_run_one_at_a_time_in_submission_order() -> None:
+    """Four threads per rank submit collectives at once, async and blocking mixed. Each rank runs
+    them one at a time, in the order their numbers (tag blocks) were handed out, every collective
+    on a tag block of its own; and the k-th collective of each rank meets the k-th of the other."""
+    threads_per_rank, calls_per_thread = 4, 25
+
+    def body(sequencer: Sequencer, rank: int) -> tuple[list[int], list[tuple[int, int]]]:
+        ran: list[int] = []
+        running = threading.Lock()
+        works: list[Work] = []
+        works_lock = threading.Lock()
+
+        def run(group: Group) -> tuple[int, int]:
+            assert running.acquire(blocking=False), "two collectives ran at the same time"
+            try:
+                ran.append(group.tag)
+                return group.tag, exchange(group, group.tag)
+            finally:
+                running.release()
+
+        def submitter(blocking: bool) -> None:
+            for _ in range(calls_per_thread):
+                if blocking:
+                    with sequencer.blocking_call():
+                        work = sequencer.submit(b"same", run)
+                    work.wait(TIMEOUT)
+                else:
+                    work = sequencer.submit(b"same", run)
+                with works_lock:
+                    works.append(work)
+
+        threads = [threading.Thread(target=submitter, args=(i % 2 == 0,)) for i in range(threads_per_rank)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(2 * TIMEOUT)
+        return ran, [work.result(TIMEOUT) for work in works]
+
+    for rank, (ran, results) in enumerate(on_every_rank(2, body)):
+        assert len(ran) == threads_per_rank * calls_per_thread
+        assert ran == sorted(ran), f"rank {rank} ran out of order: {ran}"
+        assert all(b - a >= SUBTAGS_PER_COLLECTIVE for a, b in zip(ran, ran[1:])), ran
+        assert all(mine == theirs for mine, theirs in results), f"rank {rank} met another collective: {results}"
+
+
+def test_blocking_call_on_an_idle_sequencer_runs_on_the_callers_thread(lone: Sequencer) -> None:
+    """The fast path: a blocking call with nothing queued runs when the caller waits, on the
+    caller's thread; an async call runs on the communication thread."""
+    with lone.blocking_call():
+        blocking = lone.submit(b"blocking", lambda group: threading.current_thread())
+    assert blocking.wait(TIMEOUT) is threading.current_thread()
+    assert blocking.done() and blocking.started_at is not None and blocking.finished_at is not None
+    queued = lone.submit(b"async", lambda group: threading.current_thread())
+    assert queued.wait(TIMEOUT) is not threading.current_thread()
+
+
+def test_blocking_call_behind_a_queued_one_waits_its_turn(lone: Sequencer) -> None:
+    """A blocking call submitted while an async one is still running goes to the communication
+    thread, after it, instead of overtaking it on the caller's thread."""
+    release = threading.Event()
+    order: list[str] = []
+
+    def first(group: Group) -> None:
+        assert release.wait(TIMEOUT)
+        order.append("first")
+
+    def second(group: Group) -> threading.Thread:
+        order.append("second")
+        return threading.current_thread()
+
+    pending = lone.submit(b"first", first)
+    with lone.blocking_call():
+        behind = lone.submit(b"second", second)
+    assert not behind.done()
+    release.set()
+    assert behind.wait(TIMEOUT) is not threading.current_thread()
+    assert pending.done() and order == ["first", "second"]
+
+
+# -- broken state --------------------------------------------------------------------------------
+
+
+def test_failure_breaks_refuses_at_once_and_fails_queued_calls(lone: Sequencer) -> None:
+    """A failing collective hands its error to its Work; the calls queued behind it fail with
+    CommunicatorBrokenError without running, and every later call is refused at once with a
+    message naming this rank and the earlier error."""
+    release = threading.Event()
+    ran_behind: list[bool] = []
+
+    def failing(group: Group) -> None:
+        assert release.wait(TIMEOUT)
+        raise ValueError("boom in a run function")
+
+    failed = lone.submit(b"failing", failing)
+    behind = lone.submit(b"behind", lambda group: ran_behind.append(True))
+    release.set()
+    error = failed.exception(TIMEOUT)
+    assert isinstance(error, ValueError)
+    assert isinstance(behind.exception(TIMEOUT), CommunicatorBrokenError) and not ran_behind
+    assert lone.broken
+    with pytest.raises(CommunicatorBrokenError) as refused:
+        lone.submit(b"later", lambda group: None)
+    message = str(refused.value)
+    for words in ("rank 0", "broken", "ValueError", "boom in a run function"):
+        assert words in message, message
+
+
+def test_failure_aborts_the_peers() -> None:
+    """When rank 0's collective fails, rank 1, waiting on rank 0 in the same collective, fails with
+    the abort (a CollectiveError that is no timeout) instead of waiting for its deadline; both
+    sequencers are broken afterwards."""
+
+    def body(sequencer: Sequencer, rank: int) -> tuple[BaseException | None, bool]:
+        def run(group: Group) -> int:
+            if group.rank == 0:
+                raise ValueError("rank 0 gives up")
+            return exchange(group, 1)
+
+        work = sequencer.submit(b"same", run)
+        return work.exception(TIMEOUT), sequencer.broken
+
+    (error0, broken0), (error1, broken1) = on_every_rank(2, body)
+    assert isinstance(error0, ValueError) and broken0
+    assert isinstance(error1, CollectiveError) and not isinstance(error1, CollectiveTimeoutError), error1
+    assert "rank 0 gives up" in str(error1) and broken1
+
+
+def test_ranks_that_called_differently_fail_even_without_messages() -> None:
+    """The header agreement runs with every collective: run functions that exchange nothing still
+    end in a MismatchError naming both headers on both ranks."""
+
+    def body(sequencer: Sequencer, rank: int) -> BaseException | None:
+        header = b"allreduce op=sum" if rank == 0 else b"barrier"
+        return sequencer.submit(header, lambda group: None).exception(TIMEOUT)
+
+    for rank, error in enumerate(on_every_rank(2, body)):
+        assert isinstance(error, MismatchError), (rank, error)
+        assert "allreduce op=sum" in str(error) and "barrier" in str(error), str(error)
+
+
+def test_setup_failure_breaks(lone: Sequencer) -> None:
+    """`run_setup` runs on the caller's thread and raises its error, after which calls are refused."""
+    assert lone.run_setup(b"setup", lambda group: threading.current_thread()) is threading.current_thread()
+
+    def failing(group: Group) -> None:
+        raise RuntimeError("no hosts")
+
+    with pytest.raises(RuntimeError, match="no hosts"):
+        lone.run_setup(b"setup", failing)
+    with pytest.raises(CommunicatorBrokenError, match="no hosts"):
+        lone.submit(b"later", lambda group: None)
+
+
+# -- close ---------------------------------------------------------------------------------------
+
+
+def test_close_finishes_queued_calls_then_refuses() -> None:
+    """close() runs what is queued to the end, closes the transport and then refuses new calls,
+    saying the communicator is closed; closing twice is harmless."""
+    transport = ThreadFabric(["localhost"]).endpoint(0)
+    sequencer = Sequencer(transport, TIMEOUT)
+    release = threading.Event()
+    works = [sequencer.submit(b"slow", lambda group: release.wait(TIMEOUT))]
+    works += [sequencer.submit(b"queued", lambda group, i=i: i) for i in range(3)]
+    closer = threading.Thread(target=sequencer.close)
+    closer.start()
+    release.set()
+    closer.join(TIMEOUT)
+    assert not closer.is_alive()
+    assert [work.result(0) for work in works] == [True, 0, 1, 2]
+    assert sequencer.closed and not sequencer.broken
+    sequencer.close()
+    with pytest.raises(CommunicatorBrokenError, match="rank 0: the communicator is closed"):
+        sequencer.submit(b"later", lambda group: None)
+    with pytest.raises(CollectiveError, match="closed"):
+        transport.irecv(np.empty(1), 0, 0, b"after close").wait(0)
+
+
+# -- Work ----------------------------------------------------------------------------------------
+
+
+def test_completed_work_and_no_cancel() -> None:
+    """A collective with nothing to exchange returns a Work that is already done; no Work cancels."""
+    work = completed_work(42)
+    assert work.done() and work.wait() == 42 and work.started_at == work.finished_at
+    assert not work.cancel() and not work.cancelled()
