@@ -358,7 +358,8 @@ class GrpcTransport(Transport):
         if "chunk_bytes" not in options and chunk_text:
             if not chunk_text.strip().isdigit() or not 1 <= int(chunk_text) <= MAX_FRAME_PAYLOAD_BYTES:
                 raise ValueError(
-                    f"COLLECTIVES_GRPC_CHUNK_BYTES must be an integer in 1..{MAX_FRAME_PAYLOAD_BYTES}, got {chunk_text!r}"
+                    f"COLLECTIVES_GRPC_CHUNK_BYTES must be an integer in 1..{MAX_FRAME_PAYLOAD_BYTES}, "
+                    f"got {chunk_text!r}"
                 )
             options["chunk_bytes"] = int(chunk_text)
         return cls(
@@ -997,4 +998,7 @@ class GrpcTransport(Transport):
             self._pool.shutdown(wait=False)
 
     def __repr__(self) -> str:
-        return f"GrpcTransport(rank={self.rank}, size={self.size}, address={self.addresses[self.rank]!r}, host={self.host!r})"
+        return (
+            f"GrpcTransport(rank={self.rank}, size={self.size}, "
+            f"address={self.addresses[self.rank]!r}, host={self.host!r})"
+        )
