@@ -251,9 +251,8 @@ def encode_prefix(flags: int, tag: int, total: int, header_len: int) -> bytes:
 def decode_frame(frame: bytes) -> tuple[int, int, int, bytes, memoryview]:
     """(flags, tag, total, header, payload view) of one frame; FrameError if malformed."""
     if not isinstance(frame, bytes) or len(frame) < PREFIX.size:
-        raise FrameError(
-            f"frame of {len(frame) if isinstance(frame, bytes) else '?'} bytes is shorter than its {PREFIX.size}-byte prefix"
-        )
+        length = len(frame) if isinstance(frame, bytes) else "?"
+        raise FrameError(f"frame of {length} bytes is shorter than its {PREFIX.size}-byte prefix")
     magic, version, flags, tag, total, header_len = PREFIX.unpack_from(frame)
     if magic != FRAME_MAGIC or version != FRAME_VERSION:
         raise FrameError(f"bad frame magic/version {magic!r}/{version}")

@@ -82,7 +82,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -173,13 +173,11 @@ class _Request(LockRequest):
     def finished(self) -> bool:
         return self.buf is None  # dropped on completion, never before
 
-    def _finish(self, error: CollectiveError | None = None) -> bool:  # type: ignore[override]
-        """Complete the request; False if it was already completed (the first outcome wins)."""
+    def _finish(self, error: CollectiveError | None = None) -> None:
+        """Complete the request, unless it was already completed (the first outcome wins)."""
         with _CLAIMS:
-            if self.buf is None:
-                return False
-            super()._finish(error)
-        return True
+            if self.buf is not None:
+                super()._finish(error)
 
 
 class _Incoming:
@@ -199,20 +197,19 @@ class _Incoming:
 
 
 class _Landing:
-    """Where the rest of a multi-frame message goes once its first frame was handled."""
+    """Where the rest of a multi-frame message goes once its first frame was handled: into the
+    receive it was matched to (`recv`), into a message held for a receive not yet posted
+    (`incoming`), or, with neither, nowhere (a message nobody will get: mismatch, abort)."""
 
-    __slots__ = ("tag", "total", "recv", "incoming", "offset", "parts", "skip")
+    __slots__ = ("tag", "total", "recv", "incoming", "offset", "parts")
 
-    def __init__(
-        self, tag: int, total: int, recv: _Request | None, incoming: _Incoming | None, skip: bool = False
-    ) -> None:
+    def __init__(self, tag: int, total: int, recv: _Request | None = None, incoming: _Incoming | None = None) -> None:
         self.tag = tag
         self.total = total
-        self.recv = recv  # a matched receive being filled
-        self.incoming = incoming  # or an unexpected message being collected
+        self.recv = recv
+        self.incoming = incoming
         self.offset = 0
-        self.parts: list[memoryview] = []
-        self.skip = skip  # or a message nobody will get (mismatch, abort)
+        self.parts: list[memoryview] = []  # the frames, for a receive that hands them to `consume`
 
     def receive(self) -> _Request | None:
         """The receive this message is for, if one is waiting for the rest of it: the one it was
@@ -227,7 +224,7 @@ def _frame(head: bytes, data: np.ndarray) -> bytes:
 
     (Filling a fresh bytes object with a GIL-releasing memmove instead measured no faster.)
     """
-    return b"".join((head, data))
+    return b"".join((head, data.data))
 
 
 def _payload(parts: list[memoryview]) -> memoryview | bytes:
@@ -312,7 +309,7 @@ class GrpcTransport(Transport):
         frame_limit = self._chunk_bytes + wire.PREFIX.size + wire.MAX_HEADER_BYTES
         # Accept peers configured with larger frames (up to 16 MiB); refuse anything bigger.
         receive_limit = max(frame_limit, MAX_FRAME_PAYLOAD_BYTES + wire.PREFIX.size + wire.MAX_HEADER_BYTES)
-        self._options = [
+        self._options: list[tuple[str, int | str]] = [
             ("grpc.max_send_message_length", frame_limit),
             ("grpc.max_receive_message_length", receive_limit),
             ("grpc.enable_retries", 0),  # retries would keep a copy of every frame
@@ -326,7 +323,7 @@ class GrpcTransport(Transport):
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        self._server = None
+        self._server: Any | None = None  # a grpc.Server once started
         self._channels: dict[int, Any] = {}
         self._outboxes: dict[int, queue.SimpleQueue] = {}
         self._stream_calls: dict[int, Any] = {}
@@ -361,7 +358,8 @@ class GrpcTransport(Transport):
         if "chunk_bytes" not in options and chunk_text:
             if not chunk_text.strip().isdigit() or not 1 <= int(chunk_text) <= MAX_FRAME_PAYLOAD_BYTES:
                 raise ValueError(
-                    f"COLLECTIVES_GRPC_CHUNK_BYTES must be an integer in 1..{MAX_FRAME_PAYLOAD_BYTES}, got {chunk_text!r}"
+                    f"COLLECTIVES_GRPC_CHUNK_BYTES must be an integer in 1..{MAX_FRAME_PAYLOAD_BYTES}, "
+                    f"got {chunk_text!r}"
                 )
             options["chunk_bytes"] = int(chunk_text)
         return cls(
@@ -575,6 +573,7 @@ class GrpcTransport(Transport):
     def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> _Request:
         return self._post_recv(buf, src, tag, header, None)
 
+    # A transport is only ever given its own requests to wait for, which the base signature cannot say.
     def wait_any(self, requests: Sequence[_Request], timeout: float) -> None:  # type: ignore[override]
         """Block until one of `requests` completes: the thread completing it wakes this one, so a
         rank driving several streams sleeps until there is work instead of polling the cores its
@@ -689,38 +688,34 @@ class GrpcTransport(Transport):
         """First frame of a multi-frame message."""
         with self._lock:
             if self._abort is not None or self._closed:
-                landing = _Landing(tag, total, None, None, skip=True)
+                landing = _Landing(tag, total)
             else:
                 recv = self._matcher.take_receive((src, tag))
                 if recv is None:
-                    landing = _Landing(tag, total, None, self._hold(src, tag, header, total))
+                    landing = _Landing(tag, total, incoming=self._hold(src, tag, header, total))
                 else:
                     error = check(recv, header, total)
                     if error is not None:
                         recv._finish(error)
-                        landing = _Landing(tag, total, None, None, skip=True)
+                        landing = _Landing(tag, total)
                     else:
-                        landing = _Landing(tag, total, recv, None)
+                        landing = _Landing(tag, total, recv=recv)
             self._landing[src] = landing
         self._land(landing, data)
 
     def _land(self, landing: _Landing, data: memoryview) -> None:
-        if landing.skip:
-            landing.offset += len(data)
-            return
-        if landing.incoming is not None:
-            landing.incoming.parts.append(data)
-            landing.incoming.received += len(data)
-            landing.offset += len(data)
-            return
-        recv = landing.recv
-        if recv.consume is not None:
-            landing.parts.append(data)
-        else:
-            buf = recv.buf
-            if buf is not None and len(data):
-                target = buf.view(np.uint8)[landing.offset : landing.offset + len(data)]
-                np.copyto(target, np.frombuffer(data, dtype=np.uint8))
+        recv, incoming = landing.recv, landing.incoming
+        if incoming is not None:
+            incoming.parts.append(data)
+            incoming.received += len(data)
+        elif recv is not None:
+            if recv.consume is not None:
+                landing.parts.append(data)
+            else:
+                buf = recv.buf
+                if buf is not None and len(data):
+                    target = buf.view(np.uint8)[landing.offset : landing.offset + len(data)]
+                    np.copyto(target, np.frombuffer(data, dtype=np.uint8))
         landing.offset += len(data)
 
     def _continue(self, src: int, landing: _Landing, flags: int, tag: int, total: int, data: memoryview) -> None:
@@ -734,29 +729,34 @@ class GrpcTransport(Transport):
             return
         with self._lock:
             del self._landing[src]
-        if landing.skip:
-            return
-        if landing.recv is not None:
-            recv = landing.recv
+        recv, incoming = landing.recv, landing.incoming
+        if recv is not None:
             if recv.consume is not None:
                 self._deliver(recv, recv.header, total, _payload(landing.parts))
             else:
                 recv._finish()
             return
-        incoming = landing.incoming
+        if incoming is None:  # skipped
+            return
         with self._lock:
             incoming.complete = True
-            recv = incoming.recv
-            if recv is not None:
+            taker = incoming.recv
+            if taker is not None:
                 self._unmatched_bytes[src] -= total + MESSAGE_OVERHEAD_BYTES
                 self._space.notify_all()
-        if recv is not None:
-            self._deliver(recv, incoming.header, total, _payload(incoming.parts))
+        if taker is not None:
+            self._deliver(taker, incoming.header, total, _payload(incoming.parts))
 
     # -- server handlers ----------------------------------------------------------------------------
 
-    def _authenticate(self, context: Any) -> tuple[int | None, str | None]:
-        """(claimed source rank or None, refusal reason or None); checks the secret."""
+    def _refuse(self, context: Any, code: Any, details: str) -> NoReturn:
+        """End the call being served with the status `code` (a `grpc.StatusCode`)."""
+        context.abort(code, details)  # raises, ending the handler
+        raise RuntimeError(f"rank {self.rank}: grpc's ServicerContext.abort returned instead of ending the call")
+
+    def _caller(self, context: Any) -> int:
+        """The rank making the call being served. Refuses the call unless it carries the shared
+        secret (UNAUTHENTICATED) and claims to be a peer in a world of this size (INVALID_ARGUMENT)."""
         metadata = dict(context.invocation_metadata() or ())
         if self._secret is not None:
             offered = metadata.get(SECRET_METADATA_KEY, b"")
@@ -771,32 +771,34 @@ class GrpcTransport(Transport):
                         self.rank,
                         peer,
                     )
-                context.abort(self._grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared secret")
+                self._refuse(context, self._grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared secret")
+        invalid = self._grpc.StatusCode.INVALID_ARGUMENT
         text = metadata.get(RANK_METADATA_KEY)
         size_text = metadata.get(SIZE_METADATA_KEY)
+        if text is None or size_text is None:
+            self._refuse(context, invalid, "missing rank/size metadata")
         try:
-            src = int(text) if text is not None else None
-            size = int(size_text) if size_text is not None else None
+            src, size = int(text), int(size_text)
         except ValueError:
-            return None, f"bad rank/size metadata {text!r}/{size_text!r}"
-        if src is None or size is None:
-            return None, "missing rank/size metadata"
+            self._refuse(context, invalid, f"bad rank/size metadata {text!r}/{size_text!r}")
         if size != self.size:
-            return None, f"caller is in a world of {size} ranks, this rank {self.rank} in one of {self.size}"
+            self._refuse(
+                context, invalid, f"caller is in a world of {size} ranks, this rank {self.rank} in one of {self.size}"
+            )
         if not 0 <= src < self.size or src == self.rank:
-            return None, f"caller claims to be rank {src}, not a peer of rank {self.rank} in a world of {self.size}"
-        return src, None
+            self._refuse(
+                context,
+                invalid,
+                f"caller claims to be rank {src}, not a peer of rank {self.rank} in a world of {self.size}",
+            )
+        return src
 
     def _serve_ping(self, request: bytes, context: Any) -> bytes:
-        src, refusal = self._authenticate(context)
-        if refusal is not None:
-            context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        self._caller(context)  # refuses strangers
         return json.dumps({"rank": self.rank, "size": self.size}).encode()
 
     def _serve_abort(self, request: bytes, context: Any) -> bytes:
-        src, refusal = self._authenticate(context)
-        if refusal is not None:
-            context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        src = self._caller(context)
         try:
             notice = json.loads(request)
             origin, kind, text = notice["origin"], notice["kind"], notice["text"]
@@ -808,16 +810,15 @@ class GrpcTransport(Transport):
             ):
                 raise ValueError
         except (ValueError, KeyError, TypeError):
-            context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, "malformed abort notice")
+            self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, "malformed abort notice")
         # Passed on to the other peers (not back to the origin or the sender).
         self._aborted((origin, kind, text[: wire.MAX_HEADER_BYTES]), skip={origin, src})
         return b""
 
     def _serve_stream(self, frames: Iterator[bytes], context: Any) -> bytes:
         grpc = self._grpc
-        src, refusal = self._authenticate(context)
-        if refusal is not None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        src = self._caller(context)
+        refusal = None
         with self._lock:
             if src in self._streams_in:
                 refusal = f"rank {src} already has a stream open to rank {self.rank}"
@@ -826,7 +827,7 @@ class GrpcTransport(Transport):
             else:
                 self._streams_in.add(src)
         if refusal is not None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+            self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, refusal)
         clean = False
         reason = "is unreachable (its stream to this rank broke)"
         try:
@@ -839,13 +840,13 @@ class GrpcTransport(Transport):
             log.warning(
                 "rank %d: refused a malformed frame from %s claiming rank %d: %s", self.rank, context.peer(), src, error
             )
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {error}")
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {error}")
         except grpc.RpcError:
             raise  # the peer's connection broke: reported as lost below
         except Exception as error:  # noqa: BLE001 - a bug here must not pass silently
             reason = f"could not be served ({error!r})"
             log.exception("rank %d: failed while receiving from rank %d", self.rank, src)
-            context.abort(grpc.StatusCode.INTERNAL, f"rank {self.rank} failed: {error!r}")
+            self._refuse(context, grpc.StatusCode.INTERNAL, f"rank {self.rank} failed: {error!r}")
         finally:
             cut_off = None
             with self._lock:
@@ -866,7 +867,6 @@ class GrpcTransport(Transport):
                     f"rank {self.rank}: peer rank {src} at {self.addresses[src]} "
                     + ("closed its transport" if clean else reason),
                 )
-        return b""
 
     # -- failures -----------------------------------------------------------------------------------
 
@@ -910,7 +910,7 @@ class GrpcTransport(Transport):
             else:
                 request._finish(error)
 
-    def _aborted(self, abort: tuple[int, str, str], skip: set[int | None]) -> None:
+    def _aborted(self, abort: tuple[int, str, str], skip: set[int]) -> None:
         """Enter the aborted state (unless already in it): tell the peers not in `skip`, then
         fail everything pending. In that order, so that once a caller sees its request fail,
         `close` finds the notices it must wait for before ending this rank's streams."""
@@ -940,7 +940,7 @@ class GrpcTransport(Transport):
     def abort(self, error: BaseException) -> None:
         self._aborted((self.rank, abort_kind(error), str(error)), skip=set())
 
-    def _broadcast_abort(self, notice: tuple[int, str, str], skip: set[int | None]) -> None:
+    def _broadcast_abort(self, notice: tuple[int, str, str], skip: set[int]) -> None:
         """Send an abort notice to every other peer: fire and forget (`close` waits for them)."""
         grpc = self._grpc
         body = json.dumps({"origin": notice[0], "kind": notice[1], "text": notice[2]}).encode()
@@ -998,4 +998,7 @@ class GrpcTransport(Transport):
             self._pool.shutdown(wait=False)
 
     def __repr__(self) -> str:
-        return f"GrpcTransport(rank={self.rank}, size={self.size}, address={self.addresses[self.rank]!r}, host={self.host!r})"
+        return (
+            f"GrpcTransport(rank={self.rank}, size={self.size}, "
+            f"address={self.addresses[self.rank]!r}, host={self.host!r})"
+        )

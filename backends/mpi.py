@@ -346,6 +346,10 @@ class _Recv(_Request):
     __slots__ = ("_prefix", "_header")
     kind = "receive from"
 
+    _prefix: bytes
+    """The envelope's fixed part this receive expects (size and header), set by `irecv`."""
+    _header: bytes
+
     def _envelope_arrived(self) -> bool:
         """Check it against the expected header and size; copy out an inline payload."""
         raw, view = slot = self._slot
@@ -396,10 +400,10 @@ class _Native:
     __slots__ = ("_t", "_request", "_done", "_error", "_refs")
     kind = "native all-reduce"
 
-    def __init__(self, transport: MPITransport, request: Any, refs: tuple) -> None:
+    def __init__(self, transport: MPITransport, request: Any, refs: tuple[np.ndarray, np.ndarray]) -> None:
         self._t = transport
         self._request = request
-        self._refs = refs
+        self._refs: tuple[np.ndarray, np.ndarray] | None = refs  # src and dst, alive while MPI works on them
         self._done = False
         self._error: CollectiveError | None = None
 
@@ -477,7 +481,7 @@ class MPITransport(Transport):
         self._control_status = MPI.Status()
         self._control = self._comm.Irecv([self._control_buf, MPI.BYTE], MPI.ANY_SOURCE, self._control_tag)
         _OPEN.add(self)
-        self._datatypes = {
+        self._datatypes: dict[np.dtype, Any] = {
             np.dtype(np.float32): MPI.FLOAT,
             np.dtype(np.float64): MPI.DOUBLE,
             np.dtype(np.int32): MPI.INT32_T,
@@ -486,12 +490,8 @@ class MPITransport(Transport):
         half = getattr(MPI, "FLOAT16_T", MPI.DATATYPE_NULL)
         if half != MPI.DATATYPE_NULL:
             self._datatypes[np.dtype(np.float16)] = half
+        self.native_dtypes = tuple(self._datatypes)  # float16 only where MPI has FLOAT16_T
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
-
-    @property
-    def native_dtypes(self) -> tuple[np.dtype, ...]:
-        """The dtypes `native_allreduce` accepts (float16 only where MPI has FLOAT16_T)."""
-        return tuple(self._datatypes)
 
     @classmethod
     def from_environment(cls, **kwargs: Any) -> MPITransport:
@@ -534,13 +534,20 @@ class MPITransport(Transport):
         return prefix
 
     def _refusal(self) -> CollectiveError | None:
+        """Why new requests must fail, after a look at the abort channel; None while they may run."""
+        if not self._closed and self._abort is None:
+            self._check_control()
+            if self._abort is None:
+                return None
+        return self._stopped()
+
+    def _stopped(self) -> CollectiveError:
+        """The error new requests fail with once this transport is closed or aborted."""
         if self._closed:
             return PeerLostError(f"rank {self.rank}: transport already closed")
         if self._abort is None:
-            self._check_control()
-        if self._abort is not None:
-            return error_from_abort(*self._abort, rank=self.rank)
-        return None
+            raise RuntimeError(f"rank {self.rank}: the MPI transport refused a request while open and not aborted")
+        return error_from_abort(*self._abort, rank=self.rank)
 
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self.size:
@@ -548,7 +555,7 @@ class MPITransport(Transport):
 
     def isend(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> Any:
         if self._abort is not None or self._closed:
-            return _Failed(self._refusal())
+            return _Failed(self._stopped())
         check_buffer(buf)
         self._check_peer(dst)
         size = buf.nbytes
@@ -560,7 +567,7 @@ class MPITransport(Transport):
             start = len(prefix)
             view[:start] = prefix
             if size:
-                view[start : start + size] = memoryview(buf).cast("B")
+                view[start : start + size] = buf.data.cast("B")
             env = self._comm.Isend([raw, start + size, self._byte], dst, mpi_tag)
             request = _Send(self, env, None, slot, None, dst, tag)
         else:
@@ -572,7 +579,7 @@ class MPITransport(Transport):
 
     def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> Any:
         if self._abort is not None or self._closed:
-            return _Failed(self._refusal())
+            return _Failed(self._stopped())
         check_buffer(buf)
         if not buf.flags.writeable:
             raise ValueError("receive buffers must be writeable")
@@ -664,23 +671,25 @@ class MPITransport(Transport):
         length = self._control_status.Get_count(self._byte)
         kind, _, rest = bytes(self._control_buf[:length]).partition(b"\0")
         suspect, _, text = rest.partition(b"\0")
-        self._abort = (origin, kind.decode(errors="replace"), text.decode(errors="replace"))
+        notice = self._abort = (origin, kind.decode(errors="replace"), text.decode(errors="replace"))
         if suspect == _SUSPECT:
             _note_lost(f"rank {origin} reported a lost peer", self._comm)
-        self._fail_pending()
+        self._fail_pending(notice)
 
-    def _fail_pending(self) -> None:
+    def _fail_pending(self, notice: tuple[int, str, str]) -> None:
+        """Fail every pending request with the abort `notice` (origin, kind, text)."""
         for request in list(self._live):
-            request._fail(error_from_abort(*self._abort, rank=self.rank))
+            request._fail(error_from_abort(*notice, rank=self.rank))
 
     def abort(self, error: BaseException) -> None:
         if self._closed:
             return
         self._check_control()
-        if self._abort is None:  # the first to give up tells everyone; a notice is never echoed
+        notice = self._abort
+        if notice is None:  # the first to give up tells everyone; a notice is never echoed
             kind = abort_kind(error)
             text = str(error)
-            self._abort = (self.rank, kind, text)
+            notice = self._abort = (self.rank, kind, text)
             if isinstance(error, TimeoutError):  # a peer did not answer: it may be dead
                 _note_lost(f"rank {self.rank}: {type(error).__name__}", self._comm)
             suspect = _SUSPECT if _LOST is not None else b"-"
@@ -692,7 +701,7 @@ class MPITransport(Transport):
                     except _MPI.Exception:
                         continue
                     self._control_sends.append((request, message))
-        self._fail_pending()
+        self._fail_pending(notice)
 
     # -- native all-reduce ----------------------------------------------------------------------
 

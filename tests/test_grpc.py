@@ -7,7 +7,8 @@ Three layers of tests:
   (real servers and channels on 127.0.0.1, no process start-up cost);
 * real worlds of 2-4 processes (`grpc_scripts/grpc_world.py` starts them on free loopback ports, in
   their own sessions, and kills exactly those process groups whatever happens), running
-  `grpc_scripts/worker.py` scenarios that check their own results.
+  `grpc_scripts/worker.py` scenarios that check their own results, or `grpc_scripts/cut_off.py`,
+  whose sender goes mid-message.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from collectives.launch import free_loopback_ports as free_ports  # noqa: E402
 HAVE_GRPC = importlib.util.find_spec("grpc") is not None
 requires_grpc = pytest.mark.skipif(not HAVE_GRPC, reason="grpcio is not installed (pip install -e '.[grpc]')")
 WORKER = HERE / "grpc_scripts" / "worker.py"
+CUT_OFF = HERE / "grpc_scripts" / "cut_off.py"
 H = b"test header"
 
 
@@ -555,6 +557,25 @@ def test_backpressure_keeps_order_and_data(world: list[Any]) -> None:
 
 
 @requires_grpc
+@pytest.mark.parametrize("world", [{"size": 2, "options": {"chunk_bytes": 256}}], indirect=True)
+@pytest.mark.parametrize("ending", ["abort", "close"])
+def test_receive_taking_an_arriving_message_fails_when_its_transport_ends(world: list[Any], ending: str) -> None:
+    """A receive that took a message still arriving frame by frame fails at once when its own
+    transport aborts or closes, not when the rest of the message arrives or at its deadline."""
+    from cut_off import HEADER, MESSAGE_BYTES, take_while_arriving
+
+    a, b = world
+    a.isend(np.zeros(MESSAGE_BYTES, np.uint8), 1, 1, HEADER)
+    recv = take_while_arriving(b, 0, np.empty(MESSAGE_BYTES, np.uint8), 1, HEADER, timeout=30)
+    if ending == "abort":
+        b.abort(RuntimeError("rank 1 gives up"))
+    else:
+        b.close()
+    with pytest.raises(PeerLostError, match="rank 1 gives up" if ending == "abort" else "closed"):
+        recv.wait(30)
+
+
+@requires_grpc
 def test_startup_timeout_names_the_missing_ranks() -> None:
     from collectives.backends.grpc import GrpcTransport
 
@@ -842,6 +863,25 @@ def test_killed_rank_makes_survivors_fail_promptly() -> None:
         assert outcome["error"] in ("PeerLostError", "CollectiveTimeoutError"), outcome
         assert outcome["seconds"] < timeout + 5, outcome
         assert "rank 2" in outcome["message"], outcome
+
+
+@requires_grpc
+@pytest.mark.parametrize("how", ["killed", "aborts"])
+def test_receive_taking_an_arriving_message_fails_when_the_sender_goes(how: str) -> None:
+    """A receive that took a message still arriving frame by frame fails at once, naming the
+    sender, when the sender's process is killed mid-message (its stream is cut off) or its
+    transport aborts and closes mid-message; never by waiting for its deadline (TimeoutError)."""
+    from cut_off import GIVE_UP
+
+    timeout = 30.0
+    env = {"COLLECTIVES_GRPC_CHUNK_BYTES": "256", "WORKER_TIMEOUT": str(timeout)}
+    with World(CUT_OFF, 2, [how], env=env) as world:
+        codes = world.wait(timeout + 60)
+    assert codes == [0, -9 if how == "killed" else 0], world.report()
+    outcome = results(world)[0]["cut_off"]
+    assert outcome["error"] == "PeerLostError", outcome
+    expected = "the message from rank 1 (tag 1) was cut off" if how == "killed" else f"rank 1 aborted: {GIVE_UP}"
+    assert expected in outcome["message"], outcome
 
 
 @requires_grpc
