@@ -36,14 +36,15 @@ import numpy as np
 
 from collectives._version import __version__
 from collectives.algorithms.allreduce import ALLREDUCE_ALGORITHMS, run_allreduce
-from collectives.algorithms.barrier import dissemination_barrier
-from collectives.algorithms.ring import ring_allgather, ring_reduce_scatter
-from collectives.algorithms.tree import tree_broadcast
+from collectives.algorithms.barrier import dissemination_barrier_steps
+from collectives.algorithms.ring import ring_allgather_steps, ring_reduce_scatter_steps
+from collectives.algorithms.tree import tree_broadcast_steps
 from collectives.backends.base import Transport
 from collectives.backends.errors import CollectiveTimeoutError, CommunicatorBrokenError
 from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, check_reduction, finalize
+from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Explanation, Selector, Tuning
@@ -290,7 +291,9 @@ class Communicator:
 
         def run(group: Group) -> np.ndarray:
             work_space = self._reusable_work_space(flat)
-            ring_reduce_scatter(group, flat, work_space, op, bounds, segment_bytes=self.segment_bytes)
+            drive(
+                group, ring_reduce_scatter_steps(group, flat, work_space, op, bounds, segment_bytes=self.segment_bytes)
+            )
             finalize(op, work_space[mine], self.size)
             return _copy_back(result, target, work_space[mine])
 
@@ -320,7 +323,7 @@ class Communicator:
 
         def run(group: Group) -> np.ndarray:
             target[own] = flat
-            ring_allgather(group, target, bounds, segment_bytes=self.segment_bytes)
+            drive(group, ring_allgather_steps(group, target, bounds, segment_bytes=self.segment_bytes))
             return _copy_back(result, target)
 
         return self._submit(_header("allgather", src, algorithm="ring"), run)
@@ -349,7 +352,7 @@ class Communicator:
         def run(group: Group) -> np.ndarray:
             if group.rank == root and not np.may_share_memory(target, flat):
                 target[...] = flat
-            tree_broadcast(group, target, root, segment_bytes=self.segment_bytes)
+            drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self.segment_bytes))
             return _copy_back(result, target)
 
         return self._submit(_header("broadcast", src, algorithm="tree", root=root), run)
@@ -364,7 +367,7 @@ class Communicator:
         """Start `barrier`; returns a `Work` whose result is None."""
         if self.size == 1:
             return _done(None)
-        return self._submit(b"barrier", dissemination_barrier)
+        return self._submit(b"barrier", lambda group: drive(group, dissemination_barrier_steps(group)))
 
     # -- algorithm selection ----------------------------------------------------------------------
 
@@ -579,7 +582,7 @@ class Communicator:
             group = self._group(0, header)
             bounds = [rank * _HOST_RECORD_BYTES for rank in range(self.size + 1)]
             try:
-                ring_allgather(group, table, bounds)
+                drive(group, ring_allgather_steps(group, table, bounds))
             except BaseException as error:
                 self._break(error)
                 raise

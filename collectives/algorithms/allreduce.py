@@ -16,7 +16,7 @@ from collectives.algorithms.ring import ring_allreduce_steps
 from collectives.algorithms.tree import tree_allreduce_steps
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp
-from collectives.core.schedule import Waits, drive
+from collectives.core.schedule import Steps, drive
 
 ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
 """The library's all-reduce algorithms; they run on every backend."""
@@ -48,8 +48,8 @@ def allreduce_steps(
     op: ReduceOp,
     *,
     segment_bytes: int,
-) -> Waits:
-    """`run_allreduce` as a step machine (`schedule.Waits`), for drivers that do not block (the
+) -> Steps:
+    """`run_allreduce` as a step machine (`schedule.Steps`), for drivers that do not block (the
     simulator runs every rank's machine on one thread); checks `algorithm` when called."""
     if algorithm == "reference":
         return reference_allreduce_steps(group, src, dst, op)

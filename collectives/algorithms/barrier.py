@@ -11,17 +11,22 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.core.group import Group
+from collectives.core.schedule import Steps, wait_all
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 
 
-def dissemination_barrier(group: Group) -> None:
-    """Return on every member only after every member has entered."""
+def dissemination_barrier_steps(group: Group) -> Steps:
+    """Finish on every member only after every member has entered.
+
+    A step machine (`schedule`); `schedule.drive` runs it blocking."""
     p, r = group.size, group.rank
+    if p == 1:
+        return
     distance = 1
     while distance < p:
         token = np.empty(0, dtype=np.uint8)
         receive = group.irecv(token, (r - distance) % p)
         send = group.isend(_EMPTY, (r + distance) % p)
-        group.waitall([receive, send])
+        yield from wait_all((receive, send))
         distance *= 2

@@ -61,7 +61,7 @@ from collectives.algorithms.tree import tree_allreduce_steps
 from collectives.core.group import Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, finalize
-from collectives.core.schedule import Steps, Waits, pipeline_steps
+from collectives.core.schedule import Steps, pipeline_steps
 
 INNER_ALGORITHMS = {"ring": ring_allreduce_steps, "tree": tree_allreduce_steps}
 
@@ -100,10 +100,10 @@ def hierarchical_allreduce_steps(
     *,
     inner: str = "ring",
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> Waits:
+) -> Steps:
     """dst = op over all members of src; `nodes` lists the member indices of each node.
 
-    A step machine (`schedule.Waits`); `schedule.drive` runs it blocking. It checks its arguments
+    A step machine (`schedule`); `schedule.drive` runs it blocking. It checks its arguments
     when called, not when run.
 
     Args:

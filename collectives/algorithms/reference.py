@@ -12,7 +12,7 @@ import numpy as np
 
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp, combine, finalize
-from collectives.core.schedule import Steps
+from collectives.core.schedule import Steps, wait, wait_all
 
 
 def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> Steps:
@@ -21,14 +21,14 @@ def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op
     A step machine (`schedule`); `schedule.drive` runs it blocking."""
     p, r = group.size, group.rank
     if r != 0:
-        yield group.isend(src, 0)
-        yield group.irecv(dst, 0)
+        yield wait(group.isend(src, 0))
+        yield wait(group.irecv(dst, 0))
         return
     contributions = np.empty((p - 1, src.size), dtype=src.dtype)
-    yield from [group.irecv(contributions[peer - 1], peer) for peer in range(1, p)]
+    yield from wait_all([group.irecv(contributions[peer - 1], peer) for peer in range(1, p)])
     if src is not dst:
         dst[...] = src
     for contribution in contributions:
         combine(op, dst, contribution, out=dst)
     finalize(op, dst, p)
-    yield from [group.isend(dst, peer) for peer in range(1, p)]
+    yield from wait_all([group.isend(dst, peer) for peer in range(1, p)])

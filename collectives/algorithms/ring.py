@@ -29,8 +29,8 @@ n bytes, p ranks)::
 
 Bandwidth-optimal; the latency term grows linearly with p, which is why small messages go to trees.
 
-Each algorithm is a step machine (`*_steps`, see `schedule`) so that the hierarchical all-reduce can
-run several of them at once on one thread; the plain functions run one to the end.
+Each algorithm is a step machine (`*_steps`, see `schedule`), so that the hierarchical all-reduce
+can run several of them at once on one thread; `schedule.drive` runs one to the end.
 """
 
 from __future__ import annotations
@@ -43,24 +43,7 @@ from collectives.core.group import Group, Pending
 from collectives.core.layout import DEFAULT_BLOCK_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds, segment_items, segments
 from collectives.core.ops import ReduceOp, combine, finalize
 from collectives.core.pipeline import ReduceStream
-from collectives.core.schedule import Steps, drive
-
-
-def ring_reduce_scatter(
-    group: Group,
-    src: np.ndarray,
-    dst: np.ndarray,
-    op: ReduceOp,
-    bounds: Sequence[int],
-    *,
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> None:
-    """Leave on member r, in dst[bounds[r]:bounds[r+1]], that chunk reduced over all members.
-
-    Other parts of `dst` are used as work space. `op` is applied without its final step (a `mean`
-    is left as a sum): callers finalize. `src` may be `dst`.
-    """
-    drive(group, ring_reduce_scatter_steps(group, src, dst, op, bounds, segment_bytes=segment_bytes))
+from collectives.core.schedule import Steps, wait, wait_all
 
 
 def ring_reduce_scatter_steps(
@@ -72,7 +55,11 @@ def ring_reduce_scatter_steps(
     *,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> Steps:
-    """`ring_reduce_scatter` as a step machine."""
+    """Leave on member r, in dst[bounds[r]:bounds[r+1]], that chunk reduced over all members.
+
+    Other parts of `dst` are used as work space. `op` is applied without its final step (a `mean`
+    is left as a sum): callers finalize. `src` may be `dst`.
+    """
     p, r = group.size, group.rank
     if p == 1:
         if src is not dst:
@@ -97,18 +84,7 @@ def ring_reduce_scatter_steps(
         yield from stream.next_segment()
         if step < p - 2:
             sends.append(group.isend(dst[lo:hi], right))
-    yield from sends
-
-
-def ring_allgather(
-    group: Group,
-    buf: np.ndarray,
-    bounds: Sequence[int],
-    *,
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> None:
-    """Given chunk r of `buf` on member r, fill in every other chunk from the other members."""
-    drive(group, ring_allgather_steps(group, buf, bounds, segment_bytes=segment_bytes))
+    yield from wait_all(sends)
 
 
 def ring_allgather_steps(
@@ -118,7 +94,7 @@ def ring_allgather_steps(
     *,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> Steps:
-    """`ring_allgather` as a step machine."""
+    """Given chunk r of `buf` on member r, fill in every other chunk from the other members."""
     p, r = group.size, group.rank
     if p == 1:
         return
@@ -132,11 +108,11 @@ def ring_allgather_steps(
     sends: list[Pending] = [group.isend(buf[lo:hi], right) for lo, hi in chunk_segments(r)]
     incoming = [(step, lo, hi) for step in range(p - 1) for lo, hi in chunk_segments((r - step - 1) % p)]
     receives = [group.irecv(buf[lo:hi], left) for _, lo, hi in incoming]
-    for (step, lo, hi), pending in zip(incoming, receives):
-        yield pending
+    for (step, lo, hi), receive in zip(incoming, receives):
+        yield wait(receive)
         if step < p - 2:
             sends.append(group.isend(buf[lo:hi], right))
-    yield from sends
+    yield from wait_all(sends)
 
 
 def ring_allreduce_steps(

@@ -30,6 +30,7 @@ go to the ring.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from collectives.core.group import Group, Pending
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
 from collectives.core.ops import ReduceOp, combine, finalize
 from collectives.core.pipeline import ReduceStream
-from collectives.core.schedule import Steps
+from collectives.core.schedule import Steps, wait, wait_all
 
 
 @functools.lru_cache(maxsize=256)
@@ -124,31 +125,24 @@ def tree_allreduce_steps(
             finalize(op, dst[lo:hi], p)
         else:
             sends.append(group.isend(dst[lo:hi] if children else src[lo:hi], parent, up_subtag[tree]))
-    yield from sends  # partial results must leave dst before the final results land there
+    yield from wait_all(sends)  # partial results must leave dst before the final results land there
 
     # Broadcast: receive each final segment from the parent, forward it to the children.
-    receives = {
-        (tree, lo): group.irecv(dst[lo:hi], trees[tree][0][r], down_subtag[tree])
-        for tree, lo, hi in order
-        if trees[tree][0][r] is not None
-    }
-    sends = []
-    for tree, lo, hi in order:
-        if (tree, lo) in receives:
-            yield receives[tree, lo]
-        for child in trees[tree][1][r]:
-            sends.append(group.isend(dst[lo:hi], child, down_subtag[tree]))
-    yield from sends
+    yield from _pass_down(
+        group, [(dst[lo:hi], trees[tree][0][r], trees[tree][1][r], down_subtag[tree]) for tree, lo, hi in order]
+    )
 
 
-def tree_broadcast(
+def tree_broadcast_steps(
     group: Group,
     buf: np.ndarray,
     root: int,
     *,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> None:
-    """Copy `buf` of member `root` into `buf` of every member, pipelined down a binary tree."""
+) -> Steps:
+    """Copy `buf` of member `root` into `buf` of every member, pipelined down a binary tree.
+
+    A step machine (`schedule`); `schedule.drive` runs it blocking."""
     p = group.size
     if p == 1:
         return
@@ -158,13 +152,25 @@ def tree_broadcast(
     def real(rank: int) -> int:
         return (rank + root) % p
 
+    up = parents[virtual]
+    parent = None if up is None else real(up)
+    mine = [real(child) for child in children[virtual]]
     pieces = segments(0, buf.size, segment_items(buf.itemsize, segment_bytes))
-    parent = parents[virtual]
-    receives = [] if parent is None else [group.irecv(buf[lo:hi], real(parent)) for lo, hi in pieces]
+    yield from _pass_down(group, [(buf[lo:hi], parent, mine, 0) for lo, hi in pieces])
+
+
+def _pass_down(group: Group, pieces: Sequence[tuple[np.ndarray, int | None, Sequence[int], int]]) -> Steps:
+    """Pipelined broadcast down a tree (NCCL's recvCopySend): every (segment, parent, children,
+    subtag), in order, is received from its parent straight into place (not at the root) and then
+    forwarded to its children. Every receive is posted first, so the parent's sends never wait
+    for this rank."""
+    receives = [
+        None if parent is None else group.irecv(segment, parent, subtag) for segment, parent, _, subtag in pieces
+    ]
     sends: list[Pending] = []
-    for index, (lo, hi) in enumerate(pieces):
-        if receives:
-            group.wait(receives[index])
-        for child in children[virtual]:
-            sends.append(group.isend(buf[lo:hi], real(child)))
-    group.waitall(sends)
+    for (segment, _, children, subtag), receive in zip(pieces, receives):
+        if receive is not None:
+            yield wait(receive)
+        for child in children:
+            sends.append(group.isend(segment, child, subtag))
+    yield from wait_all(sends)

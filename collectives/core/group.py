@@ -164,8 +164,13 @@ class Group:
 
         Checks as `wait` does: the header agreement advances while waiting, a failed operation
         raises its error, and a timeout names the first of `pendings` (the one waited on longest
-        by the caller's convention).
+        by the caller's convention). One operation is waited for as `wait` does.
         """
+        if len(pendings) == 1:
+            self.wait(pendings[0])
+            return 0
+        if not pendings:
+            raise ValueError(f"rank {self.transport.rank}: wait_any needs at least one operation to wait for")
         requests = [pending.request for pending in pendings]
         agreement = self.agreement
         while True:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from collectives.core.group import Group, Pending
+from collectives.core.schedule import Steps, wait
 
 PIPELINE_DEPTH = 4
 """Receives kept posted ahead of the one being consumed."""
@@ -81,12 +82,12 @@ class ReduceStream:
             self._posted.append((self._group.irecv(slot, self._peer, self._subtag), lo, hi, slot))
         self._next_to_post += 1
 
-    def next_segment(self) -> Iterator[Pending]:
-        """Step machine (`schedule.Steps`): yields the next segment's receive, then reduces it."""
+    def next_segment(self) -> Steps:
+        """The step (NCCL's recvReduce): wait for the next segment, then reduce it into place."""
         if self._slot_in_use:
             self._post()  # the scratch slot consumed last time is free again
         self._slot_in_use = True
         pending, lo, hi, slot = self._posted.popleft()
-        yield pending
+        yield wait(pending)
         if slot is not None:
             self._reduce_segment(lo, hi, slot)

@@ -27,10 +27,11 @@ import math
 
 import numpy as np
 
-from collectives.algorithms.barrier import dissemination_barrier
-from collectives.algorithms.ring import ring_allgather
+from collectives.algorithms.barrier import dissemination_barrier_steps
+from collectives.algorithms.ring import ring_allgather_steps
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp, combine
+from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCost, LinkCosts, Topology
 
 PROBE_BYTES = 1 << 20
@@ -61,7 +62,7 @@ def probe_links(group: Group, topology: Topology, *, repeats: int = REPEATS) -> 
         for column, buf in enumerate((tiny, large), start=2 * (phase - 1)):
             round_trips = []
             for _ in range(repeats + 1):  # the first one is untimed
-                dissemination_barrier(everyone)  # every pair of the phase starts together...
+                drive(everyone, dissemination_barrier_steps(everyone))  # all pairs of the phase start together...
                 if peer is not None:
                     _exchange(group, tiny, peer, leading, phase)  # ...and both of a pair are here
                     start = transport.clock()
@@ -72,9 +73,8 @@ def probe_links(group: Group, topology: Topology, *, repeats: int = REPEATS) -> 
     mine[6] = _reduction_seconds(transport, repeats) / PROBE_BYTES
     table = np.empty(group.size * _COLUMNS)
     table[group.rank * _COLUMNS : (group.rank + 1) * _COLUMNS] = mine
-    ring_allgather(
-        group.subgroup(range(group.size), _GATHER_SUBTAG), table, [r * _COLUMNS for r in range(group.size + 1)]
-    )
+    gather = group.subgroup(range(group.size), _GATHER_SUBTAG)
+    drive(gather, ring_allgather_steps(gather, table, [r * _COLUMNS for r in range(group.size + 1)]))
     return _link_costs(table.reshape(group.size, _COLUMNS), nodes)
 
 
