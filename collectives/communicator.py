@@ -41,10 +41,11 @@ from collectives.algorithms.ring import ring_allgather_steps, ring_reduce_scatte
 from collectives.algorithms.tree import tree_broadcast_steps
 from collectives.backends.base import Transport
 from collectives.backends.errors import CollectiveTimeoutError, CommunicatorBrokenError
-from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
+from collectives.core.group import Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, check_reduction, finalize
 from collectives.core.schedule import drive
+from collectives.core.tags import collective_tags
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Explanation, Selector, Tuning
@@ -249,7 +250,7 @@ class Communicator:
                         f"({group.header.decode(errors='replace')}); a rank never arrived, or is stuck or dead",
                         rank=self.rank,
                         peer=-1,
-                        tag=group.tag,
+                        tag=group.tags.start,
                         seconds=self.timeout,
                     ) from None
                 finalize(op, target, self.size)
@@ -523,9 +524,9 @@ class Communicator:
         return self._work_space[: like.nbytes].view(like.dtype)
 
     def _group(self, seq: int, header: bytes) -> Group:
-        tag = (seq % _TAG_WRAP) * SUBTAGS_PER_COLLECTIVE
+        tags = collective_tags(seq % _TAG_WRAP, header.decode(errors="replace"))
         deadline = time.monotonic() + self.timeout
-        return Group(self._transport, tuple(range(self.size)), tag, header, deadline, self.timeout)
+        return Group(self._transport, tuple(range(self.size)), tags, header, deadline, self.timeout)
 
     def _serve(self) -> None:
         """The communication thread: run queued collectives one at a time, in call order."""

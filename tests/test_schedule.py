@@ -19,8 +19,9 @@ from collectives.backends.simulated import Cluster, Link, SimulatedTransport, si
 from collectives.backends.threads import ThreadFabric
 from collectives.core.group import Group, Pending
 from collectives.core.schedule import Stage, Steps, WaitAny, drive, pipeline_steps, wait, wait_all, wait_any
+from collectives.core.tags import collective_tags
 
-TAG = 64
+TAGS = collective_tags(1, "schedule test")
 
 
 def on_threads(
@@ -32,7 +33,7 @@ def on_threads(
 
     def rank_main(rank: int) -> None:
         header = (headers or {}).get(rank, b"schedule test")
-        group = Group(fabric.endpoint(rank), tuple(range(size)), TAG, header, time.monotonic() + timeout, timeout)
+        group = Group(fabric.endpoint(rank), tuple(range(size)), TAGS, header, time.monotonic() + timeout, timeout)
         try:
             outcomes[rank] = body(group)
         except Exception as error:  # noqa: BLE001 - the test inspects it
@@ -46,13 +47,13 @@ def on_threads(
     return outcomes
 
 
-def exchange(group: Group, buf: np.ndarray, subtag: int, log: list, name: tuple) -> Steps:
-    """A step machine: swap `buf` with the other of two ranks on `subtag`, logging its start and end."""
+def exchange(group: Group, buf: np.ndarray, tag: int, log: list, name: tuple) -> Steps:
+    """A step machine: swap `buf` with the other of two ranks on `tag`, logging its start and end."""
     log.append(("start", *name))
     peer = 1 - group.rank
     incoming = np.empty_like(buf)
-    receive = group.irecv(incoming, peer, subtag)
-    send = group.isend(buf, peer, subtag)
+    receive = group.irecv(incoming, peer, tag)
+    send = group.isend(buf, peer, tag)
     yield wait(receive)
     yield wait(send)
     buf += incoming
@@ -60,8 +61,9 @@ def exchange(group: Group, buf: np.ndarray, subtag: int, log: list, name: tuple)
 
 
 def stage_tags(group: Group, count: int) -> list[int]:
-    """One subtag per pipeline stage (stages run side by side)."""
-    return list(range(count))
+    """One tag of the group's range per pipeline stage (stages run side by side)."""
+    tags = group.tags.allocator()
+    return [tags.tag(f"stage {k}") for k in range(count)]
 
 
 def test_pipeline_respects_stage_and_block_order() -> None:
@@ -236,7 +238,7 @@ def test_one_step_machine_driven_alone_is_the_blocking_algorithm() -> None:
 
     def body(group: Group) -> float:
         data = np.full(1, group.rank + 1.0)
-        drive(group, exchange(group, data, 0, [], ()))
+        drive(group, exchange(group, data, TAGS.start, [], ()))
         return float(data[0])
 
     assert on_threads(body, 2) == [3.0, 3.0]
@@ -247,7 +249,8 @@ def test_verbs_wait_for_one_all_and_the_first() -> None:
     that completed (here the only one that can: the peer sends on the second tag only)."""
 
     def body(group: Group) -> tuple[int, list[float]]:
-        never, used = 1, 0
+        tags = group.tags.allocator()
+        never, used = tags.tag("never"), tags.tag("used")
         peer = 1 - group.rank
         received = [np.zeros(1), np.zeros(1), np.zeros(1)]
         first = -1
@@ -278,7 +281,7 @@ def test_a_failed_wait_raises_inside_the_machine() -> None:
         caught = []
 
         def steps() -> Steps:
-            tag, peer = 0, 1 - group.rank
+            tag, peer = group.tags.allocator().tag("exchange"), 1 - group.rank
             receive, send = group.irecv(np.zeros(1), peer, tag), group.isend(np.zeros(1), peer, tag)
             try:
                 yield from wait_all([receive, send])
@@ -318,8 +321,8 @@ def test_pipeline_timeout_names_the_peer_and_tag_waited_on_longest() -> None:
     error = outcomes[0]
     assert isinstance(error, CollectiveTimeoutError), error
     assert 0.25 < time.monotonic() - started < 5
-    assert (error.rank, error.peer, error.tag, error.seconds) == (0, 1, TAG, 0.3)
-    assert "receive from rank 1" in str(error) and f"tag {TAG}" in str(error)
+    assert (error.rank, error.peer, error.tag, error.seconds) == (0, 1, TAGS.start, 0.3)
+    assert "receive from rank 1" in str(error) and f"tag {TAGS.start}" in str(error)
 
 
 def test_pipeline_mismatch_is_reported() -> None:
@@ -342,8 +345,8 @@ def test_simulated_wait_any_resumes_at_the_first_completion() -> None:
     link = Link(alpha=1e-6, bandwidth=1e9)
 
     def body(t: SimulatedTransport) -> tuple[int, float, float] | None:
-        group = Group(t, tuple(range(t.size)), TAG, b"h", math.inf, math.inf)
-        tag = 0
+        group = Group(t, tuple(range(t.size)), TAGS, b"h", math.inf, math.inf)
+        tag = TAGS.start
         if t.rank == 0:
             large = group.isend(t.empty(1_000_000, np.uint8), 1, tag)
             small = group.irecv(t.empty(1000, np.uint8), 2, tag)

@@ -16,6 +16,7 @@ from collectives.backends.errors import CollectiveTimeoutError, MismatchError
 from collectives.backends.simulated import Cluster, Link, RankSteps, SimulatedTransport, simulate, simulate_steps
 from collectives.core.group import Group
 from collectives.core.schedule import Steps, drive, wait_all
+from collectives.core.tags import collective_tags
 from collectives.selection.simulation import rank_steps, simulate_allreduce
 
 H = b"header"
@@ -205,7 +206,7 @@ def test_broadcast_and_barrier_run_on_both_drivers(size: int) -> None:
     root = 2 % size
 
     def start(t: SimulatedTransport) -> tuple[Group, Steps, np.ndarray]:
-        group = Group(t, tuple(range(t.size)), 64, H, math.inf, math.inf)
+        group = Group(t, tuple(range(t.size)), collective_tags(0, "broadcast, then barrier"), H, math.inf, math.inf)
         buf = t.empty(3001, np.float32)
         buf[...] = t.rank + 1
 
@@ -237,11 +238,11 @@ def test_one_thread_driver_raises_a_failed_wait_inside_the_machine() -> None:
 
     def body(t: SimulatedTransport) -> RankSteps[str]:
         header = b"allreduce op=sum" if t.rank == 0 else b"allreduce op=max"
-        group = Group(t, (0, 1), 64, header, math.inf, math.inf)
+        group = Group(t, (0, 1), collective_tags(0, "mismatched"), header, math.inf, math.inf)
         caught = []
 
         def steps() -> Steps:
-            tag = 0
+            tag = group.tags.allocator().tag("exchange")
             buf = t.empty(1, np.uint8)
             try:
                 yield from wait_all([group.irecv(buf, 1 - t.rank, tag), group.isend(buf, 1 - t.rank, tag)])

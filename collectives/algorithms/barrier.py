@@ -19,14 +19,16 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 def dissemination_barrier_steps(group: Group) -> Steps:
     """Finish on every member only after every member has entered.
 
-    A step machine (`schedule`); `schedule.drive` runs it blocking."""
+    A step machine (`schedule`); `schedule.drive` runs it blocking. Talks on the first of the
+    group's tags."""
     p, r = group.size, group.rank
     if p == 1:
         return
+    tag = group.tags.allocator().tag("barrier")
     distance = 1
     while distance < p:
         token = np.empty(0, dtype=np.uint8)
-        receive = group.irecv(token, (r - distance) % p)
-        send = group.isend(_EMPTY, (r + distance) % p)
+        receive = group.irecv(token, (r - distance) % p, tag)
+        send = group.isend(_EMPTY, (r + distance) % p, tag)
         yield from wait_all((receive, send))
         distance *= 2

@@ -101,7 +101,9 @@ def tree_allreduce_steps(
         for tree in (0, 1)
         if k < len(pieces[tree])
     ]
-    up_subtag, down_subtag = (0, 1), (2, 3)
+    tags = group.tags.allocator()
+    up = (tags.tag("tree 0 up"), tags.tag("tree 1 up"))
+    down = (tags.tag("tree 0 down"), tags.tag("tree 1 down"))
 
     # Reduce: combine the children's partial results into dst, pass them to the parent. The
     # second child's segment is added to the first's sum, so reductions run in order (fuse=False).
@@ -112,7 +114,7 @@ def tree_allreduce_steps(
         return reduce_segment
 
     streams = {
-        (tree, child): ReduceStream(group, child, up_subtag[tree], pieces[tree], dst, reducer(index == 0), fuse=False)
+        (tree, child): ReduceStream(group, child, up[tree], pieces[tree], dst, reducer(index == 0), fuse=False)
         for tree in (0, 1)
         for index, child in enumerate(trees[tree][1][r])
     }
@@ -124,12 +126,12 @@ def tree_allreduce_steps(
         if parent is None:  # a root always has children when p > 1, so dst holds the result
             finalize(op, dst[lo:hi], p)
         else:
-            sends.append(group.isend(dst[lo:hi] if children else src[lo:hi], parent, up_subtag[tree]))
+            sends.append(group.isend(dst[lo:hi] if children else src[lo:hi], parent, up[tree]))
     yield from wait_all(sends)  # partial results must leave dst before the final results land there
 
     # Broadcast: receive each final segment from the parent, forward it to the children.
     yield from _pass_down(
-        group, [(dst[lo:hi], trees[tree][0][r], trees[tree][1][r], down_subtag[tree]) for tree, lo, hi in order]
+        group, [(dst[lo:hi], trees[tree][0][r], trees[tree][1][r], down[tree]) for tree, lo, hi in order]
     )
 
 
@@ -142,10 +144,12 @@ def tree_broadcast_steps(
 ) -> Steps:
     """Copy `buf` of member `root` into `buf` of every member, pipelined down a binary tree.
 
-    A step machine (`schedule`); `schedule.drive` runs it blocking."""
+    A step machine (`schedule`); `schedule.drive` runs it blocking. Talks on the first of the
+    group's tags."""
     p = group.size
     if p == 1:
         return
+    tag = group.tags.allocator().tag("tree broadcast")
     parents, children = binary_tree(p)
     virtual = (group.rank - root) % p  # relabel so that `root` is the tree's root
 
@@ -156,21 +160,19 @@ def tree_broadcast_steps(
     parent = None if up is None else real(up)
     mine = [real(child) for child in children[virtual]]
     pieces = segments(0, buf.size, segment_items(buf.itemsize, segment_bytes))
-    yield from _pass_down(group, [(buf[lo:hi], parent, mine, 0) for lo, hi in pieces])
+    yield from _pass_down(group, [(buf[lo:hi], parent, mine, tag) for lo, hi in pieces])
 
 
 def _pass_down(group: Group, pieces: Sequence[tuple[np.ndarray, int | None, Sequence[int], int]]) -> Steps:
     """Pipelined broadcast down a tree (NCCL's recvCopySend): every (segment, parent, children,
-    subtag), in order, is received from its parent straight into place (not at the root) and then
+    tag), in order, is received from its parent straight into place (not at the root) and then
     forwarded to its children. Every receive is posted first, so the parent's sends never wait
     for this rank."""
-    receives = [
-        None if parent is None else group.irecv(segment, parent, subtag) for segment, parent, _, subtag in pieces
-    ]
+    receives = [None if parent is None else group.irecv(segment, parent, tag) for segment, parent, _, tag in pieces]
     sends: list[Pending] = []
-    for (segment, _, children, subtag), receive in zip(pieces, receives):
+    for (segment, _, children, tag), receive in zip(pieces, receives):
         if receive is not None:
             yield wait(receive)
         for child in children:
-            sends.append(group.isend(segment, child, subtag))
+            sends.append(group.isend(segment, child, tag))
     yield from wait_all(sends)

@@ -26,7 +26,7 @@ ReduceSegment = Callable[[int, int, np.ndarray], None]
 
 
 class ReduceStream:
-    """Receives `spans[i]` = (lo, hi) for i = 0, 1, ... from group member `peer`, in order.
+    """Receives `spans[i]` = (lo, hi) for i = 0, 1, ... from group member `peer` on `tag`, in order.
 
     Args:
         target: the array the spans index; gives the size and dtype of each message.
@@ -39,7 +39,7 @@ class ReduceStream:
         self,
         group: Group,
         peer: int,
-        subtag: int,
+        tag: int,
         spans: Sequence[tuple[int, int]],
         target: np.ndarray,
         reduce_segment: ReduceSegment,
@@ -48,7 +48,7 @@ class ReduceStream:
     ) -> None:
         self._group = group
         self._peer = peer
-        self._subtag = subtag
+        self._tag = tag
         self._spans = list(spans)
         self._target = target
         self._reduce_segment = reduce_segment
@@ -75,11 +75,11 @@ class ReduceStream:
         lo, hi = self._spans[index]
         if self._fused:
             consume = functools.partial(self._reduce_segment, lo, hi)
-            pending = self._group.irecv_reduce(self._target[lo:hi], self._peer, consume, self._subtag)
+            pending = self._group.irecv_reduce(self._target[lo:hi], self._peer, consume, self._tag)
             self._posted.append((pending, lo, hi, None))
         else:
             slot = self._slots[index % self._depth, : hi - lo]
-            self._posted.append((self._group.irecv(slot, self._peer, self._subtag), lo, hi, slot))
+            self._posted.append((self._group.irecv(slot, self._peer, self._tag), lo, hi, slot))
         self._next_to_post += 1
 
     def next_segment(self) -> Steps:

@@ -40,10 +40,11 @@ from collectives.backends.simulated import (
     simulate,
     simulate_steps,
 )
-from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
+from collectives.core.group import Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES
 from collectives.core.ops import ReduceOp
 from collectives.core.schedule import Steps, drive
+from collectives.core.tags import collective_tags
 from collectives.core.topology import LinkCosts, Topology
 from collectives.selection.costmodel import candidates
 from collectives.selection.probe import probe_links
@@ -75,10 +76,11 @@ def simulate_allreduce(
     itemsize = np.dtype(dtype).itemsize
     count = nbytes // itemsize
     nodes = Topology(cluster.hosts).nodes
-    header = f"simulated allreduce algorithm={algorithm} count={count} dtype={dtype}".encode()
+    name = f"simulated allreduce algorithm={algorithm} count={count} dtype={dtype}"
+    header = name.encode()
 
     def start(transport: SimulatedTransport) -> tuple[Group, Steps, np.ndarray]:
-        group = Group(transport, tuple(range(transport.size)), SUBTAGS_PER_COLLECTIVE, header, math.inf, math.inf)
+        group = Group(transport, tuple(range(transport.size)), collective_tags(0, name), header, math.inf, math.inf)
         src = transport.empty(count, dtype)
         src[...] = transport.rank + 1
         dst = transport.empty(count, dtype)
@@ -132,7 +134,9 @@ def probe_cluster(cluster: Cluster) -> LinkCosts:
     topology = Topology(cluster.hosts)
 
     def body(transport: SimulatedTransport) -> LinkCosts:
-        group = Group(transport, tuple(range(transport.size)), SUBTAGS_PER_COLLECTIVE, b"probe", math.inf, math.inf)
+        group = Group(
+            transport, tuple(range(transport.size)), collective_tags(0, "probe"), b"probe", math.inf, math.inf
+        )
         return probe_links(group, topology)
 
     return simulate(body, cluster).results[0]
