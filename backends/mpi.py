@@ -30,11 +30,11 @@ the library's up to about 2**30. A library tag t travels on tags 2m and 2m+1, m 
 largest power of two with 2M <= TAG_UB; tag TAG_UB is reserved for abort notices. Distinct tags
 collide only if they differ by a multiple of M (2**28 here, at least 8192 anywhere), and that can
 never happen between messages in flight at the same time: a communicator runs collectives one
-after another in the same order on every rank, each on its own block of 64 tags, and every
-collective ends with a header agreement that needs every member to have started it, so no rank is
-ever more than one collective ahead of another: at most 128 consecutive library tags are in
-flight. M being a power of two, the communicator's own wrap-around (2**30) keeps consecutive
-blocks distinct too.
+after another in the same order on every rank, each on its own block of 64 tags (handed out, and
+checked on every send and receive, by `collectives.core.tags`), and every collective ends with a
+header agreement that needs every member to have started it, so no rank is ever more than one
+collective ahead of another: at most 128 consecutive library tags are in flight. M being a power
+of two, the communicator's own wrap-around (2**30) keeps consecutive blocks distinct too.
 
 Waiting. `Request.wait(timeout)` never calls a blocking `MPI_Wait`: it polls `Test` (which also
 drives MPI's progress engine, which MPICH needs on both sides for shared-memory transfers), checks

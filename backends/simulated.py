@@ -331,8 +331,9 @@ class Simulator:
         self, start: Callable[[SimulatedTransport], RankSteps[T]]
     ) -> tuple[list[T | None], list[tuple[int, BaseException]]]:
         """Run the generator `start(transport)` of every rank to the end on this thread, as `run`
-        runs threads: the rank `_next` picks is resumed until it yields requests none of which has
-        completed yet; (results, [(rank, error)...])."""
+        runs threads: the rank `_next` picks is resumed, with the index of the first completed
+        request among those it waits for (or by raising that request's error in it), until it
+        waits for requests none of which has completed yet; (results, [(rank, error)...])."""
         size = self.cluster.size
         results: list[T | None] = [None] * size
         errors: list[tuple[int, BaseException]] = []
@@ -353,10 +354,17 @@ class Simulator:
                         requests = next(machine)
                     else:
                         requests = blocked[rank]
-                        requests = self._resume(machine, requests, _first_completed(requests))
-                    while (index := _first_completed(requests)) >= 0:  # as a blocking wait: go on
-                        requests = self._resume(machine, requests, index)
-                    blocked[rank] = self._ranks[rank].waiting = requests
+                    while True:  # resume while what it waits for has completed, as a blocking wait would
+                        index = 0  # of the first completed request (no enumerate: this runs per message)
+                        for request in requests:
+                            if request.completed:
+                                break
+                            index += 1
+                        else:
+                            break
+                        error = request.error
+                        requests = machine.send(index) if error is None else machine.throw(error)
+                    blocked[rank] = self._ranks[rank].waiting = requests  # type: ignore[assignment]
                 except StopIteration as stop:
                     results[rank] = stop.value
                     self._ranks[rank].alive = False
@@ -370,15 +378,6 @@ class Simulator:
             if collecting:
                 gc.enable()
         return results, errors
-
-    @staticmethod
-    def _resume(machine: RankSteps[T], requests: Sequence[_Request], index: int) -> Sequence[_Request]:
-        """Resume a generator whose wait is over: with `index`, that of the first completed request,
-        or by throwing that request's error into it."""
-        if index < 0:
-            raise RuntimeError("simulator invariant broken: a rank resumed with nothing completed")
-        error = requests[index].error
-        return machine.send(index) if error is None else machine.throw(error)
 
     def _hand_over(self, me: int | None) -> None:
         """Give the baton to whoever runs next; return when rank `me` may go on (None: never)."""
@@ -609,14 +608,6 @@ class Simulator:
                 self._ranks[request.rank].clock,
                 PeerLostError(f"rank {request.rank}: {who} closed with a {request.kind} pending"),
             )
-
-
-def _first_completed(requests: Sequence[_Request]) -> int:
-    """The index of the first completed request, or -1."""
-    for index, request in enumerate(requests):
-        if request.completed:
-            return index
-    return -1
 
 
 class SimulatedTransport(Transport):

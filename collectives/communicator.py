@@ -29,9 +29,9 @@ import numpy as np
 
 from collectives._version import __version__
 from collectives.algorithms import registry
-from collectives.algorithms.barrier import dissemination_barrier
-from collectives.algorithms.ring import ring_allgather, ring_reduce_scatter
-from collectives.algorithms.tree import tree_broadcast
+from collectives.algorithms.barrier import dissemination_barrier_steps
+from collectives.algorithms.ring import ring_allgather_steps, ring_reduce_scatter_steps
+from collectives.algorithms.tree import tree_broadcast_steps
 from collectives.arguments import (
     checked_root,
     collective_header,
@@ -210,7 +210,7 @@ class Communicator:
                         f"({group.header.decode(errors='replace')}); a rank never arrived, or is stuck or dead",
                         rank=self.rank,
                         peer=-1,
-                        tag=group.tag,
+                        tag=group.tags.start,
                         seconds=self.timeout,
                     ) from None
                 finalize(op, target, self.size)
@@ -253,7 +253,9 @@ class Communicator:
 
         def run(group: Group) -> np.ndarray:
             work_space = self._reusable_work_space(flat)
-            ring_reduce_scatter(group, flat, work_space, op, bounds, segment_bytes=self.segment_bytes)
+            drive(
+                group, ring_reduce_scatter_steps(group, flat, work_space, op, bounds, segment_bytes=self.segment_bytes)
+            )
             finalize(op, work_space[mine], self.size)
             return copy_back(result, target, work_space[mine])
 
@@ -283,7 +285,7 @@ class Communicator:
 
         def run(group: Group) -> np.ndarray:
             target[own] = flat
-            ring_allgather(group, target, bounds, segment_bytes=self.segment_bytes)
+            drive(group, ring_allgather_steps(group, target, bounds, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
 
         return self._sequencer.submit(collective_header("allgather", src, algorithm="ring"), run)
@@ -310,7 +312,7 @@ class Communicator:
         def run(group: Group) -> np.ndarray:
             if group.rank == root and not np.may_share_memory(target, flat):
                 target[...] = flat
-            tree_broadcast(group, target, root, segment_bytes=self.segment_bytes)
+            drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
 
         return self._sequencer.submit(collective_header("broadcast", src, algorithm="tree", root=root), run)
@@ -325,7 +327,7 @@ class Communicator:
         """Start `barrier`; returns a `Work` whose result is None."""
         if self.size == 1:
             return completed_work(None)
-        return self._sequencer.submit(b"barrier", dissemination_barrier)
+        return self._sequencer.submit(b"barrier", lambda group: drive(group, dissemination_barrier_steps(group)))
 
     # -- algorithm selection ----------------------------------------------------------------------
 
@@ -431,6 +433,7 @@ def _exchange_hosts(group: Group, host: str) -> tuple[str, ...]:
     start = group.rank * _HOST_RECORD_BYTES
     table[start : start + len(record)] = np.frombuffer(record, np.uint8)
     if group.size > 1:
-        ring_allgather(group, table, [rank * _HOST_RECORD_BYTES for rank in range(group.size + 1)])
+        bounds = [rank * _HOST_RECORD_BYTES for rank in range(group.size + 1)]
+        drive(group, ring_allgather_steps(group, table, bounds))
     rows = table.reshape(group.size, _HOST_RECORD_BYTES)
     return tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows)

@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 
 from collectives.backends.base import Transport
 from collectives.backends.errors import CommunicatorBrokenError
-from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
+from collectives.core.group import Group
+from collectives.core.tags import collective_tags
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +218,9 @@ class Sequencer:
     def _group(self, seq: int, header: bytes) -> Group:
         """The whole world as the group of collective number `seq`, its deadline starting now."""
         transport, timeout = self._transport, self.timeout
-        tag = (seq % _TAG_WRAP) * SUBTAGS_PER_COLLECTIVE
+        tags = collective_tags(seq % _TAG_WRAP, header.decode(errors="replace"))
         deadline = time.monotonic() + timeout
-        return Group(transport, tuple(range(transport.size)), tag, header, deadline, timeout)
+        return Group(transport, tuple(range(transport.size)), tags, header, deadline, timeout)
 
     def _serve(self) -> None:
         """The communication thread: run queued collectives one at a time, in call order."""

@@ -20,7 +20,7 @@ from collectives.algorithms.registry import AllReduceAlgorithm
 from collectives.bench.commands import main as bench_main
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp, combine, finalize
-from collectives.core.schedule import Steps
+from collectives.core.schedule import Steps, wait_all
 from collectives.core.topology import LinkCosts, Topology
 
 TOY = "direct_exchange"
@@ -31,16 +31,17 @@ def direct_exchange_steps(
 ) -> Steps:
     """Every member sends its whole buffer to every other and reduces all of them in rank order."""
     p, me = group.size, group.rank
+    tag = group.tags.allocator().tag("direct exchange")
     inbox = np.empty((p, src.size), dtype=src.dtype)
-    receives = {peer: group.irecv(inbox[peer], peer) for peer in range(p) if peer != me}
-    sends = [group.isend(src, peer) for peer in range(p) if peer != me]
-    yield from receives.values()
+    receives = [group.irecv(inbox[peer], peer, tag) for peer in range(p) if peer != me]
+    sends = [group.isend(src, peer, tag) for peer in range(p) if peer != me]
+    yield from wait_all(receives)
     inbox[me] = src
     dst[...] = inbox[0]
     for peer in range(1, p):
         combine(op, dst, inbox[peer], out=dst)
     finalize(op, dst, p)
-    yield from sends
+    yield from wait_all(sends)
 
 
 def direct_exchange_cost(nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes: int) -> float:

@@ -1,6 +1,6 @@
-"""Step machines and the one-thread pipeline scheduler (collectives.core.schedule), with Group.wait_any:
-stage order, overlap, timeouts that name the peer, mismatches, and exact timing on the simulated
-clock."""
+"""Step machines, their drivers and the one-thread pipeline scheduler (collectives.core.schedule),
+with Group.wait_any: the verbs, stage order, overlap, timeouts that name the peer, mismatches, errors
+raised where a machine waited, and exact timing on the simulated clock."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from collectives.backends.errors import CollectiveTimeoutError, MismatchError
 from collectives.backends.simulated import Cluster, Link, SimulatedTransport, simulate
 from collectives.backends.threads import ThreadFabric
 from collectives.core.group import Group, Pending
-from collectives.core.schedule import Stage, Steps, Waits, drive, pipeline_steps, run_pipeline
+from collectives.core.schedule import Stage, Steps, WaitAny, drive, pipeline_steps, wait, wait_all, wait_any
+from collectives.core.tags import collective_tags
 
-TAG = 64
+TAGS = collective_tags(1, "schedule test")
 
 
 def on_threads(
@@ -32,7 +33,7 @@ def on_threads(
 
     def rank_main(rank: int) -> None:
         header = (headers or {}).get(rank, b"schedule test")
-        group = Group(fabric.endpoint(rank), tuple(range(size)), TAG, header, time.monotonic() + timeout, timeout)
+        group = Group(fabric.endpoint(rank), tuple(range(size)), TAGS, header, time.monotonic() + timeout, timeout)
         try:
             outcomes[rank] = body(group)
         except Exception as error:  # noqa: BLE001 - the test inspects it
@@ -46,17 +47,23 @@ def on_threads(
     return outcomes
 
 
-def exchange(group: Group, buf: np.ndarray, subtag: int, log: list, name: tuple) -> Steps:
-    """A step machine: swap `buf` with the other of two ranks, logging its start and end."""
+def exchange(group: Group, buf: np.ndarray, tag: int, log: list, name: tuple) -> Steps:
+    """A step machine: swap `buf` with the other of two ranks on `tag`, logging its start and end."""
     log.append(("start", *name))
     peer = 1 - group.rank
     incoming = np.empty_like(buf)
-    receive = group.irecv(incoming, peer, subtag)
-    send = group.isend(buf, peer, subtag)
-    yield receive
-    yield send
+    receive = group.irecv(incoming, peer, tag)
+    send = group.isend(buf, peer, tag)
+    yield wait(receive)
+    yield wait(send)
     buf += incoming
     log.append(("end", *name))
+
+
+def stage_tags(group: Group, count: int) -> list[int]:
+    """One tag of the group's range per pipeline stage (stages run side by side)."""
+    tags = group.tags.allocator()
+    return [tags.tag(f"stage {k}") for k in range(count)]
 
 
 def test_pipeline_respects_stage_and_block_order() -> None:
@@ -67,11 +74,12 @@ def test_pipeline_respects_stage_and_block_order() -> None:
     def body(group: Group) -> tuple[list, np.ndarray]:
         log: list = []
         data = np.full(blocks, group.rank + 1.0)
+        tags = stage_tags(group, stages)
 
         def stage(k: int) -> Callable[[int], Steps]:
-            return lambda b: exchange(group, data[b : b + 1], k, log, (k, b))
+            return lambda b: exchange(group, data[b : b + 1], tags[k], log, (k, b))
 
-        run_pipeline(group, [stage(k) for k in range(stages)], blocks)
+        drive(group, pipeline_steps([stage(k) for k in range(stages)], blocks))
         return log, data
 
     for outcome in on_threads(body, 2):
@@ -97,11 +105,12 @@ def test_pipeline_window_runs_blocks_of_one_stage_at_once() -> None:
     def body(group: Group) -> tuple[list, np.ndarray]:
         log: list = []
         data = np.full(blocks, group.rank + 1.0)
+        tags = stage_tags(group, 2 * len(windows))  # a tag per block a stage runs at once
 
         def stage(k: int) -> Callable[[int], Steps]:
-            return lambda b: exchange(group, data[b : b + 1], 2 * k + b % windows[k], log, (k, b))
+            return lambda b: exchange(group, data[b : b + 1], tags[2 * k + b % windows[k]], log, (k, b))
 
-        run_pipeline(group, [stage(k) for k in range(len(windows))], blocks, windows)
+        drive(group, pipeline_steps([stage(k) for k in range(len(windows))], blocks, windows))
         return log, data
 
     for outcome in on_threads(body, 2):
@@ -119,14 +128,14 @@ def test_pipeline_window_runs_blocks_of_one_stage_at_once() -> None:
         assert position["start", 1, 1] < position["end", 1, 0], "the window did not overlap blocks"
 
 
-def full_sweep_pipeline(stages: list[Stage], blocks: int, windows: list[int]) -> Waits:
+def full_sweep_pipeline(stages: list[Stage], blocks: int, windows: list[int]) -> Steps:
     """`pipeline_steps`' specification, written plainly: after every completion, sweep all stages
     (later first, older blocks first), start what may start and advance what can go on, until
     nothing changes; then wait for the first completion among the waits, oldest first."""
     count = len(stages)
     done = [[False] * blocks for _ in range(count)]
     lowest, started = [0] * count, [0] * count
-    running: list[list[list]] = [[] for _ in range(count)]  # [block, steps, pending, since]
+    running: list[list[list]] = [[] for _ in range(count)]  # [block, steps, wait, since, resume with]
     clock = 0
     while True:
         changed = True
@@ -141,11 +150,13 @@ def full_sweep_pipeline(stages: list[Stage], blocks: int, windows: list[int]) ->
                         and started[stage] < lowest[stage] + windows[stage]
                         and (stage == 0 or done[stage - 1][started[stage]])
                     ):
-                        running[stage].append([started[stage], stages[stage](started[stage]), None, 0])
+                        running[stage].append([started[stage], stages[stage](started[stage]), None, 0, None])
                         started[stage] += 1
                     for machine in [m for m in running[stage] if m[2] is None]:
                         try:
-                            machine[2], machine[3], clock = next(machine[1]), clock, clock + 1
+                            steps, index = machine[1], machine[4]
+                            machine[2] = next(steps) if index is None else steps.send(index)
+                            machine[3], clock = clock, clock + 1
                         except StopIteration:
                             running[stage].remove(machine)
                             done[stage][machine[0]] = True
@@ -155,22 +166,24 @@ def full_sweep_pipeline(stages: list[Stage], blocks: int, windows: list[int]) ->
         waiting = sorted((m for machines in running for m in machines), key=lambda m: m[3])
         if not waiting:
             return
-        if len(waiting) == 1:
-            yield waiting[0][2]
-            waiting[0][2] = None
-        else:
-            index = yield [m[2] for m in waiting]
-            waiting[index][2] = None
+        index = yield WaitAny([pending for machine in waiting for pending in machine[2]])
+        for machine in waiting:
+            if index < len(machine[2]):
+                break
+            index -= len(machine[2])
+        machine[2], machine[4] = None, index
 
 
 def test_pipeline_scheduler_keeps_the_order_of_a_full_sweep() -> None:
     """The scheduler only revisits what a completion can have changed; on random pipelines (stages,
-    windows, blocks, steps per machine) and random completion orders it starts, advances and waits
-    exactly as sweeping every stage after every completion does."""
+    windows, blocks, steps per machine, machines that wait for the first of two operations) and
+    random completion orders it starts, advances, waits and resumes exactly as sweeping every
+    stage after every completion does."""
     for seed in range(300):
         rng = random.Random(seed)
         count = rng.randint(1, 4)
         windows, steps = [rng.randint(1, 3) for _ in range(count)], [rng.randint(0, 3) for _ in range(count)]
+        widths = [rng.randint(1, 2) for _ in range(count)]
         blocks = rng.randint(1, 6)
         traces = []
         for scheduler in (pipeline_steps, full_sweep_pipeline):
@@ -180,25 +193,24 @@ def test_pipeline_scheduler_keeps_the_order_of_a_full_sweep() -> None:
                 def machine(block: int) -> Steps:
                     log.append(("start", k, block))
                     for step in range(steps[k]):
-                        yield Pending(None, "step", k, block * 10 + step)  # type: ignore[arg-type]
+                        ids = [(block * 10 + step) * 10 + i for i in range(widths[k])]
+                        first = yield wait_any([Pending(None, "step", k, tag) for tag in ids])
+                        log.append(("resumed", k, block, step, first))
                     log.append(("end", k, block))
 
                 return machine
 
             choices = random.Random(seed)
-            waits = scheduler([stage(k) for k in range(count)], blocks, windows)
-            item = next(waits, None)
-            while item is not None:
-                if isinstance(item, Pending):
-                    log.append(("wait", item.peer, item.tag))
-                    item = next(waits, None)
-                else:
-                    index = choices.randrange(len(item))
-                    log.append(("first of", tuple((p.peer, p.tag) for p in item), index))
-                    try:
-                        item = waits.send(index)
-                    except StopIteration:
-                        item = None
+            machine = scheduler([stage(k) for k in range(count)], blocks, windows)
+            waiting = next(machine, None)
+            while waiting is not None:
+                assert isinstance(waiting, WaitAny) and waiting
+                index = choices.randrange(len(waiting))
+                log.append(("first of", tuple((p.peer, p.tag) for p in waiting), index))
+                try:
+                    waiting = machine.send(index)
+                except StopIteration:
+                    waiting = None
             traces.append(log)
         assert traces[0] == traces[1], f"seed {seed}: {count} stages, windows {windows}, {blocks} blocks, steps {steps}"
 
@@ -226,10 +238,61 @@ def test_one_step_machine_driven_alone_is_the_blocking_algorithm() -> None:
 
     def body(group: Group) -> float:
         data = np.full(1, group.rank + 1.0)
-        drive(group, exchange(group, data, 0, [], ()))
+        drive(group, exchange(group, data, TAGS.start, [], ()))
         return float(data[0])
 
     assert on_threads(body, 2) == [3.0, 3.0]
+
+
+def test_verbs_wait_for_one_all_and_the_first() -> None:
+    """`wait_all` resumes after every operation, in order; `wait_any` returns the index of the one
+    that completed (here the only one that can: the peer sends on the second tag only)."""
+
+    def body(group: Group) -> tuple[int, list[float]]:
+        tags = group.tags.allocator()
+        never, used = tags.tag("never"), tags.tag("used")
+        peer = 1 - group.rank
+        received = [np.zeros(1), np.zeros(1), np.zeros(1)]
+        first = -1
+
+        def steps() -> Steps:
+            nonlocal first
+            sends = [group.isend(np.full(1, group.rank + 10.0 * k), peer, used) for k in range(2)]
+            receives = [group.irecv(received[k], peer, used) for k in range(2)]
+            yield from wait_all(receives)
+            yield from wait_all(sends)
+            quiet = group.irecv(received[2], peer, never)
+            late = group.irecv(np.zeros(1), peer, used)
+            send = group.isend(np.zeros(1), peer, used)
+            first = yield wait_any([quiet, late])
+            yield wait(send)
+
+        drive(group, steps())
+        return first, [float(x[0]) for x in received]
+
+    assert on_threads(body, 2) == [(1, [1.0, 11.0, 0.0]), (1, [0.0, 10.0, 0.0])]
+
+
+def test_a_failed_wait_raises_inside_the_machine() -> None:
+    """A failed operation raises its error where the machine waited, so the machine's own frames
+    are in the traceback (and it could handle the error): here it catches the mismatch and ends."""
+
+    def body(group: Group) -> str:
+        caught = []
+
+        def steps() -> Steps:
+            tag, peer = group.tags.allocator().tag("exchange"), 1 - group.rank
+            receive, send = group.irecv(np.zeros(1), peer, tag), group.isend(np.zeros(1), peer, tag)
+            try:
+                yield from wait_all([receive, send])
+            except MismatchError as error:
+                caught.append(str(error))
+
+        drive(group, steps())
+        return caught[0]
+
+    outcomes = on_threads(body, 2, headers={0: b"allreduce op=sum", 1: b"allreduce op=max"})
+    assert all("op=sum" in outcome and "op=max" in outcome for outcome in outcomes), outcomes
 
 
 def test_pipeline_timeout_names_the_peer_and_tag_waited_on_longest() -> None:
@@ -241,23 +304,25 @@ def test_pipeline_timeout_names_the_peer_and_tag_waited_on_longest() -> None:
         if group.rank == 1:
             return None
 
-        def silent(subtag: int) -> Callable[[int], Steps]:
+        first, second = stage_tags(group, 2)
+
+        def silent(tag: int) -> Callable[[int], Steps]:
             def steps(block: int) -> Steps:
-                if subtag == 5 and block == 0:
+                if tag == first and block == 0:
                     return
-                yield group.irecv(np.empty(1), 1, subtag)
+                yield wait(group.irecv(np.empty(1), 1, tag))
 
             return steps
 
-        run_pipeline(group, [silent(5), silent(6)], 2)
+        drive(group, pipeline_steps([silent(first), silent(second)], 2))
 
     started = time.monotonic()
     outcomes = on_threads(body, 2, timeout=0.3)
     error = outcomes[0]
     assert isinstance(error, CollectiveTimeoutError), error
     assert 0.25 < time.monotonic() - started < 5
-    assert (error.rank, error.peer, error.tag, error.seconds) == (0, 1, TAG + 5, 0.3)
-    assert "receive from rank 1" in str(error) and f"tag {TAG + 5}" in str(error)
+    assert (error.rank, error.peer, error.tag, error.seconds) == (0, 1, TAGS.start, 0.3)
+    assert "receive from rank 1" in str(error) and f"tag {TAGS.start}" in str(error)
 
 
 def test_pipeline_mismatch_is_reported() -> None:
@@ -265,7 +330,9 @@ def test_pipeline_mismatch_is_reported() -> None:
 
     def body(group: Group) -> None:
         data = np.zeros(3)
-        run_pipeline(group, [lambda b: exchange(group, data, 0, [], ()), lambda b: exchange(group, data, 1, [], ())], 2)
+        first, second = stage_tags(group, 2)
+        stages = [lambda b: exchange(group, data, first, [], ()), lambda b: exchange(group, data, second, [], ())]
+        drive(group, pipeline_steps(stages, 2))
 
     outcomes = on_threads(body, 2, headers={0: b"allreduce op=sum", 1: b"allreduce op=max"})
     assert all(isinstance(outcome, MismatchError) for outcome in outcomes), outcomes
@@ -278,18 +345,19 @@ def test_simulated_wait_any_resumes_at_the_first_completion() -> None:
     link = Link(alpha=1e-6, bandwidth=1e9)
 
     def body(t: SimulatedTransport) -> tuple[int, float, float] | None:
-        group = Group(t, tuple(range(t.size)), TAG, b"h", math.inf, math.inf)
+        group = Group(t, tuple(range(t.size)), TAGS, b"h", math.inf, math.inf)
+        tag = TAGS.start
         if t.rank == 0:
-            large = group.isend(t.empty(1_000_000, np.uint8), 1)
-            small = group.irecv(t.empty(1000, np.uint8), 2)
+            large = group.isend(t.empty(1_000_000, np.uint8), 1, tag)
+            small = group.irecv(t.empty(1000, np.uint8), 2, tag)
             first = group.wait_any([large, small])
             arrived = t.clock()
             group.wait(large)
             return first, arrived, t.clock()
         if t.rank == 1:
-            group.wait(group.irecv(t.empty(1_000_000, np.uint8), 0))
+            group.wait(group.irecv(t.empty(1_000_000, np.uint8), 0, tag))
         else:
-            group.wait(group.isend(t.empty(1000, np.uint8), 0))
+            group.wait(group.isend(t.empty(1000, np.uint8), 0, tag))
         return None
 
     first, arrived, last = simulate(body, Cluster(1, 3, link, link), timing_only=True).results[0]

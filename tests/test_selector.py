@@ -20,6 +20,7 @@ from collectives.bench.simulated import (
     run_grid,
 )
 from collectives.core.group import Group
+from collectives.core.tags import collective_tags
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Tuning
 from collectives.selection.simulation import RegretCell, regret_grid
@@ -32,7 +33,9 @@ def test_probes_recover_the_simulated_links(nodes: int, per_node: int, ratio: in
     topology = collectives.Topology(shape.hosts)
 
     def body(t: SimulatedTransport):
-        return probe_links(Group(t, tuple(range(t.size)), 64, b"probe", math.inf, math.inf), topology)
+        return probe_links(
+            Group(t, tuple(range(t.size)), collective_tags(1, "probe"), b"probe", math.inf, math.inf), topology
+        )
 
     costs = simulate(body, shape).results
     assert all(c == costs[0] for c in costs)

@@ -17,7 +17,8 @@ from collectives.backends.errors import (
     MismatchError,
 )
 from collectives.backends.threads import ThreadFabric
-from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group
+from collectives.core.group import Group
+from collectives.core.tags import TAGS_PER_COLLECTIVE
 from collectives.sequencer import Sequencer, Work, completed_work
 
 TIMEOUT = 20.0
@@ -63,8 +64,9 @@ def on_every_rank(world_size: int, body: Callable[[Sequencer, int], Any]) -> lis
 def exchange(group: Group, value: int) -> int:
     """Send `value` to the next member and return what the previous one sent."""
     inbox = np.empty(1, dtype=np.int64)
-    receive = group.irecv(inbox, (group.rank - 1) % group.size)
-    send = group.isend(np.array([value], dtype=np.int64), (group.rank + 1) % group.size)
+    tag = group.tags.allocator().tag("exchange")
+    receive = group.irecv(inbox, (group.rank - 1) % group.size, tag)
+    send = group.isend(np.array([value], dtype=np.int64), (group.rank + 1) % group.size, tag)
     group.waitall([receive, send])
     return int(inbox[0])
 
@@ -87,8 +89,8 @@ def test_calls_from_several_threads_run_one_at_a_time_in_submission_order() -> N
         def run(group: Group) -> tuple[int, int]:
             assert running.acquire(blocking=False), "two collectives ran at the same time"
             try:
-                ran.append(group.tag)
-                return group.tag, exchange(group, group.tag)
+                ran.append(group.tags.start)
+                return group.tags.start, exchange(group, group.tags.start)
             finally:
                 running.release()
 
@@ -113,7 +115,7 @@ def test_calls_from_several_threads_run_one_at_a_time_in_submission_order() -> N
     for rank, (ran, results) in enumerate(on_every_rank(2, body)):
         assert len(ran) == threads_per_rank * calls_per_thread
         assert ran == sorted(ran), f"rank {rank} ran out of order: {ran}"
-        assert all(b - a >= SUBTAGS_PER_COLLECTIVE for a, b in zip(ran, ran[1:])), ran
+        assert all(b - a >= TAGS_PER_COLLECTIVE for a, b in zip(ran, ran[1:])), ran
         assert all(mine == theirs for mine, theirs in results), f"rank {rank} met another collective: {results}"
 
 

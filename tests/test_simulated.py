@@ -1,5 +1,6 @@
 """The simulated backend: exact virtual times for simple patterns, contention, determinism,
-correct results from the real algorithms, failures that are reported instead of hanging."""
+correct results from the real algorithms, the same times from the one-thread driver and the
+blocking one, failures that are reported instead of hanging."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import numpy as np
 import pytest
 
 from collectives import allreduce_algorithms
+from collectives.algorithms.barrier import dissemination_barrier_steps
+from collectives.algorithms.tree import tree_broadcast_steps
 from collectives.backends.errors import CollectiveTimeoutError, MismatchError
 from collectives.backends.simulated import Cluster, Link, RankSteps, SimulatedTransport, simulate, simulate_steps
-from collectives.selection.simulation import simulate_allreduce
+from collectives.core.group import Group
+from collectives.core.schedule import Steps, drive, wait_all
+from collectives.core.tags import collective_tags
+from collectives.selection.simulation import rank_steps, simulate_allreduce
 
 H = b"header"
 INTRA = Link(alpha=1e-6, bandwidth=1e9)
@@ -189,3 +195,62 @@ def test_header_mismatch() -> None:
 
     with pytest.raises(MismatchError, match="barrier"):
         simulate(body, cluster(1, 2))
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 8])
+def test_broadcast_and_barrier_run_on_both_drivers(size: int) -> None:
+    """The broadcast and the barrier are step machines like the all-reduces: on the one-thread
+    simulated driver and on the blocking driver with a thread per rank they give the root's data
+    everywhere, the same virtual times to the last bit and the same message counts."""
+    shape = Cluster(1, size, INTRA, INTER, gamma=1e-10)
+    root = 2 % size
+
+    def start(t: SimulatedTransport) -> tuple[Group, Steps, np.ndarray]:
+        group = Group(t, tuple(range(t.size)), collective_tags(0, "broadcast, then barrier"), H, math.inf, math.inf)
+        buf = t.empty(3001, np.float32)
+        buf[...] = t.rank + 1
+
+        def steps() -> Steps:
+            yield from tree_broadcast_steps(group, buf, root, segment_bytes=1024)
+            yield from dissemination_barrier_steps(group)
+
+        return group, steps(), buf
+
+    def one_thread(t: SimulatedTransport) -> RankSteps[np.ndarray]:
+        _, steps, buf = start(t)
+        yield from rank_steps(steps)
+        return buf.view(np.ndarray)
+
+    def blocking(t: SimulatedTransport) -> np.ndarray:
+        group, steps, buf = start(t)
+        drive(group, steps)
+        return buf.view(np.ndarray)
+
+    stepped, threaded = simulate_steps(one_thread, shape), simulate(blocking, shape)
+    assert stepped.finish_times == threaded.finish_times and stepped.messages == threaded.messages
+    for result in stepped.results + threaded.results:
+        np.testing.assert_array_equal(result, np.full(3001, root + 1, np.float32))
+
+
+def test_one_thread_driver_raises_a_failed_wait_inside_the_machine() -> None:
+    """As the blocking driver does, the simulated one raises a failed operation's error where the
+    machine waited: a machine that catches the mismatch ends normally."""
+
+    def body(t: SimulatedTransport) -> RankSteps[str]:
+        header = b"allreduce op=sum" if t.rank == 0 else b"allreduce op=max"
+        group = Group(t, (0, 1), collective_tags(0, "mismatched"), header, math.inf, math.inf)
+        caught = []
+
+        def steps() -> Steps:
+            tag = group.tags.allocator().tag("exchange")
+            buf = t.empty(1, np.uint8)
+            try:
+                yield from wait_all([group.irecv(buf, 1 - t.rank, tag), group.isend(buf, 1 - t.rank, tag)])
+            except MismatchError as error:
+                caught.append(str(error))
+
+        yield from rank_steps(steps())
+        return caught[0]
+
+    for message in simulate_steps(body, cluster(1, 2)).results:
+        assert "op=sum" in message and "op=max" in message

@@ -27,9 +27,11 @@ or a reduction and never idles between blocks::
     time ->
 
 One thread does it all: each phase of a block is a step machine (`schedule`) and the scheduler
-advances whichever can go on, so it runs on every transport, the simulated one included. The two
-intra-node phases talk on separate tags, since their messages interleave in a different order on
-every rank.
+advances whichever can go on, so it runs on every transport, the simulated one included. Phases
+that run at the same time talk on sub-groups with tags of their own, taken from the collective's
+range: the two intra-node phases (their messages interleave in a different order on every rank)
+and each of the `INTER_WINDOW` inter-node slots, which share what is left of the range (so an
+inner algorithm, or another hierarchical one, can lay it out further).
 
 Uneven nodes: the buffer is cut into M shards, M = the smallest node's rank count; on larger nodes
 local ranks >= M own no shard and sit out step 2. One node is a plain ring all-reduce; one rank
@@ -71,7 +73,7 @@ from collectives.algorithms.tree import tree_allreduce_cost, tree_allreduce_step
 from collectives.core.group import Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, finalize
-from collectives.core.schedule import Steps, Waits, pipeline_steps
+from collectives.core.schedule import Steps, pipeline_steps
 from collectives.core.topology import LinkCosts, Topology
 
 INNER_ALGORITHMS = {"ring": ring_allreduce_steps, "tree": tree_allreduce_steps}
@@ -82,12 +84,6 @@ MAX_PIPELINE_BLOCKS = 8
 INTER_WINDOW = 2
 """Blocks crossing the nodes at once: while one waits on a round trip or a reduction, the link
 carries the other's messages. (Two blocks in the intra-node reduce-scatter measured no better.)"""
-
-_REDUCE_SCATTER_SUBTAG = 8
-_INTER_SUBTAG = 16
-_ALLGATHER_SUBTAG = 24
-_WINDOW_SUBTAG_STRIDE = 4
-"""Blocks crossing the nodes at once talk on tags this far apart (a tree uses 4 subtags)."""
 
 
 def pipeline_blocks(nbytes: float, nodes: int, largest: int, shards: int, segment_bytes: int) -> int:
@@ -111,10 +107,10 @@ def hierarchical_allreduce_steps(
     *,
     inner: str = "ring",
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> Waits:
+) -> Steps:
     """dst = op over all members of src; `nodes` lists the member indices of each node.
 
-    A step machine (`schedule.Waits`); `schedule.drive` runs it blocking. It checks its arguments
+    A step machine (`schedule`); `schedule.drive` runs it blocking. It checks its arguments
     when called, not when run.
 
     Args:
@@ -138,12 +134,14 @@ def hierarchical_allreduce_steps(
     def view(buf: np.ndarray, block: int) -> np.ndarray:
         return buf[block_bounds[block] : block_bounds[block + 1]]
 
-    scatter = group.subgroup(node, _REDUCE_SCATTER_SUBTAG)
-    gather = group.subgroup(node, _ALLGATHER_SUBTAG)
+    tags = group.tags.allocator()
+    scatter = group.subgroup(node, tags.take("intra-node reduce-scatter"))
+    gather = group.subgroup(node, tags.take("intra-node all-gather"))
+    windows = tags.share_rest([f"inter-node window {k}" for k in range(INTER_WINDOW)])
     inter = None
     if local_rank < shards:
         peers = [ranks[local_rank] for ranks in nodes]
-        inter = [group.subgroup(peers, _INTER_SUBTAG + _WINDOW_SUBTAG_STRIDE * k) for k in range(INTER_WINDOW)]
+        inter = [group.subgroup(peers, window) for window in windows]
     sum_only = ReduceOp.SUM if op is ReduceOp.MEAN else op
 
     def reduce_scatter(block: int) -> Steps:
@@ -214,7 +212,7 @@ def hierarchical_cost(inner: str, nbytes: int, topology: Topology, costs: LinkCo
 def _register(name: str, inner: str, summary: str) -> None:
     def steps(
         group: Group, nodes: Sequence[Sequence[int]], src: np.ndarray, dst: np.ndarray, op: ReduceOp, segment_bytes: int
-    ) -> Waits:
+    ) -> Steps:
         return hierarchical_allreduce_steps(group, nodes, src, dst, op, inner=inner, segment_bytes=segment_bytes)
 
     def cost(nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes: int) -> float:

@@ -15,27 +15,29 @@ import numpy as np
 from collectives.algorithms.registry import AllReduceAlgorithm, register
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp, combine, finalize
-from collectives.core.schedule import Steps
+from collectives.core.schedule import Steps, wait, wait_all
 from collectives.core.topology import LinkCosts, Topology
 
 
 def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op: ReduceOp) -> Steps:
     """dst = op over all members of src, reduced on member 0 in rank order; `src` may be `dst`.
 
-    A step machine (`schedule`); `schedule.drive` runs it blocking."""
+    A step machine (`schedule`); `schedule.drive` runs it blocking. Talks on the first of the
+    group's tags."""
     p, r = group.size, group.rank
+    tag = group.tags.allocator().tag("reference all-reduce")
     if r != 0:
-        yield group.isend(src, 0)
-        yield group.irecv(dst, 0)
+        yield wait(group.isend(src, 0, tag))
+        yield wait(group.irecv(dst, 0, tag))
         return
     contributions = np.empty((p - 1, src.size), dtype=src.dtype)
-    yield from [group.irecv(contributions[peer - 1], peer) for peer in range(1, p)]
+    yield from wait_all([group.irecv(contributions[peer - 1], peer, tag) for peer in range(1, p)])
     if src is not dst:
         dst[...] = src
     for contribution in contributions:
         combine(op, dst, contribution, out=dst)
     finalize(op, dst, p)
-    yield from [group.isend(dst, peer) for peer in range(1, p)]
+    yield from wait_all([group.isend(dst, peer, tag) for peer in range(1, p)])
 
 
 def _reference_cost(nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes: int) -> float:

@@ -37,10 +37,10 @@ import numpy as np
 
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp
-from collectives.core.schedule import Waits
+from collectives.core.schedule import Steps
 from collectives.core.topology import LinkCosts, Topology
 
-AllReduceSteps = Callable[[Group, Sequence[Sequence[int]], np.ndarray, np.ndarray, ReduceOp, int], Waits]
+AllReduceSteps = Callable[[Group, Sequence[Sequence[int]], np.ndarray, np.ndarray, ReduceOp, int], Steps]
 """steps(group, nodes, src, dst, op, segment_bytes): the algorithm's step machine (`core.schedule`).
 `nodes` lists the member indices of each node; `src` may be `dst`."""
 
@@ -144,7 +144,7 @@ def allreduce_steps(
     op: ReduceOp,
     *,
     segment_bytes: int,
-) -> Waits:
+) -> Steps:
     """dst = op over all members of src with algorithm `name`, as a step machine; checks `name`
     when called. `schedule.drive` runs it blocking, the simulator on its virtual clock."""
     return lookup(name).steps(group, nodes, src, dst, op, segment_bytes)

@@ -29,8 +29,9 @@ n bytes, p ranks)::
 
 Bandwidth-optimal; the latency term grows linearly with p, which is why small messages go to trees.
 
-Each algorithm is a step machine (`*_steps`, see `schedule`) so that the hierarchical all-reduce can
-run several of them at once on one thread; the plain functions run one to the end.
+Each algorithm is a step machine (`*_steps`, see `schedule`), so that the hierarchical all-reduce
+can run several of them at once on one thread; `schedule.drive` runs one to the end. All talk on the
+first of their group's tags: the phases of the all-reduce follow one another on the same stream.
 """
 
 from __future__ import annotations
@@ -51,25 +52,8 @@ from collectives.core.layout import (
 )
 from collectives.core.ops import ReduceOp, combine, finalize
 from collectives.core.pipeline import ReduceStream
-from collectives.core.schedule import Steps, drive
+from collectives.core.schedule import Steps, wait, wait_all
 from collectives.core.topology import LinkCost, LinkCosts, Topology
-
-
-def ring_reduce_scatter(
-    group: Group,
-    src: np.ndarray,
-    dst: np.ndarray,
-    op: ReduceOp,
-    bounds: Sequence[int],
-    *,
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> None:
-    """Leave on member r, in dst[bounds[r]:bounds[r+1]], that chunk reduced over all members.
-
-    Other parts of `dst` are used as work space. `op` is applied without its final step (a `mean`
-    is left as a sum): callers finalize. `src` may be `dst`.
-    """
-    drive(group, ring_reduce_scatter_steps(group, src, dst, op, bounds, segment_bytes=segment_bytes))
 
 
 def ring_reduce_scatter_steps(
@@ -81,12 +65,17 @@ def ring_reduce_scatter_steps(
     *,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> Steps:
-    """`ring_reduce_scatter` as a step machine."""
+    """Leave on member r, in dst[bounds[r]:bounds[r+1]], that chunk reduced over all members.
+
+    Other parts of `dst` are used as work space. `op` is applied without its final step (a `mean`
+    is left as a sum): callers finalize. `src` may be `dst`. Talks on the first of the group's tags.
+    """
     p, r = group.size, group.rank
     if p == 1:
         if src is not dst:
             dst[bounds[0] : bounds[1]] = src[bounds[0] : bounds[1]]
         return
+    tag = group.tags.allocator().tag("ring reduce-scatter")
     right, left = (r + 1) % p, (r - 1) % p
     per_segment = segment_items(src.itemsize, segment_bytes)
 
@@ -94,30 +83,19 @@ def ring_reduce_scatter_steps(
         return segments(bounds[chunk], bounds[chunk + 1], per_segment)
 
     # Step s sends chunk (r-s-1) and receives chunk (r-s-2), so member r ends owning chunk r.
-    sends: list[Pending] = [group.isend(src[lo:hi], right) for lo, hi in chunk_segments((r - 1) % p)]
+    sends: list[Pending] = [group.isend(src[lo:hi], right, tag) for lo, hi in chunk_segments((r - 1) % p)]
     incoming = [(step, lo, hi) for step in range(p - 1) for lo, hi in chunk_segments((r - step - 2) % p)]
 
     def reduce_segment(lo: int, hi: int, received: np.ndarray) -> None:
         combine(op, src[lo:hi], received, out=dst[lo:hi])
 
     spans = [(lo, hi) for _, lo, hi in incoming]
-    stream = ReduceStream(group, left, 0, spans, dst, reduce_segment, fuse=True)
+    stream = ReduceStream(group, left, tag, spans, dst, reduce_segment, fuse=True)
     for step, lo, hi in incoming:
         yield from stream.next_segment()
         if step < p - 2:
-            sends.append(group.isend(dst[lo:hi], right))
-    yield from sends
-
-
-def ring_allgather(
-    group: Group,
-    buf: np.ndarray,
-    bounds: Sequence[int],
-    *,
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> None:
-    """Given chunk r of `buf` on member r, fill in every other chunk from the other members."""
-    drive(group, ring_allgather_steps(group, buf, bounds, segment_bytes=segment_bytes))
+            sends.append(group.isend(dst[lo:hi], right, tag))
+    yield from wait_all(sends)
 
 
 def ring_allgather_steps(
@@ -127,10 +105,13 @@ def ring_allgather_steps(
     *,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
 ) -> Steps:
-    """`ring_allgather` as a step machine."""
+    """Given chunk r of `buf` on member r, fill in every other chunk from the other members.
+
+    Talks on the first of the group's tags."""
     p, r = group.size, group.rank
     if p == 1:
         return
+    tag = group.tags.allocator().tag("ring all-gather")
     right, left = (r + 1) % p, (r - 1) % p
     per_segment = segment_items(buf.itemsize, segment_bytes)
 
@@ -138,14 +119,14 @@ def ring_allgather_steps(
         return segments(bounds[chunk], bounds[chunk + 1], per_segment)
 
     # Step s sends chunk (r-s) and receives chunk (r-s-1) straight into place.
-    sends: list[Pending] = [group.isend(buf[lo:hi], right) for lo, hi in chunk_segments(r)]
+    sends: list[Pending] = [group.isend(buf[lo:hi], right, tag) for lo, hi in chunk_segments(r)]
     incoming = [(step, lo, hi) for step in range(p - 1) for lo, hi in chunk_segments((r - step - 1) % p)]
-    receives = [group.irecv(buf[lo:hi], left) for _, lo, hi in incoming]
-    for (step, lo, hi), pending in zip(incoming, receives):
-        yield pending
+    receives = [group.irecv(buf[lo:hi], left, tag) for _, lo, hi in incoming]
+    for (step, lo, hi), receive in zip(incoming, receives):
+        yield wait(receive)
         if step < p - 2:
-            sends.append(group.isend(buf[lo:hi], right))
-    yield from sends
+            sends.append(group.isend(buf[lo:hi], right, tag))
+    yield from wait_all(sends)
 
 
 def ring_block_bytes(ranks: int, segment_bytes: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> int:

@@ -40,7 +40,7 @@ from collectives.core.group import Group, Pending
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, segment_items, segments, stream_pieces
 from collectives.core.ops import ReduceOp, combine, finalize
 from collectives.core.pipeline import ReduceStream
-from collectives.core.schedule import Steps
+from collectives.core.schedule import Steps, wait, wait_all
 from collectives.core.topology import LinkCost, LinkCosts, Topology
 
 P = TypeVar("P")
@@ -112,7 +112,9 @@ def tree_allreduce_steps(
     per_segment = segment_items(src.itemsize, segment_bytes)
     pieces = [segments(0, half, per_segment), segments(half, src.size, per_segment)]
     order = [(tree, lo, hi) for tree, (lo, hi) in alternate_trees(pieces)]
-    up_subtag, down_subtag = (0, 1), (2, 3)
+    tags = group.tags.allocator()
+    up = (tags.tag("tree 0 up"), tags.tag("tree 1 up"))
+    down = (tags.tag("tree 0 down"), tags.tag("tree 1 down"))
 
     # Reduce: combine the children's partial results into dst, pass them to the parent. The
     # second child's segment is added to the first's sum, so reductions run in order (fuse=False).
@@ -123,7 +125,7 @@ def tree_allreduce_steps(
         return reduce_segment
 
     streams = {
-        (tree, child): ReduceStream(group, child, up_subtag[tree], pieces[tree], dst, reducer(index == 0), fuse=False)
+        (tree, child): ReduceStream(group, child, up[tree], pieces[tree], dst, reducer(index == 0), fuse=False)
         for tree in (0, 1)
         for index, child in enumerate(trees[tree][1][r])
     }
@@ -135,51 +137,56 @@ def tree_allreduce_steps(
         if parent is None:  # a root always has children when p > 1, so dst holds the result
             finalize(op, dst[lo:hi], p)
         else:
-            sends.append(group.isend(dst[lo:hi] if children else src[lo:hi], parent, up_subtag[tree]))
-    yield from sends  # partial results must leave dst before the final results land there
+            sends.append(group.isend(dst[lo:hi] if children else src[lo:hi], parent, up[tree]))
+    yield from wait_all(sends)  # partial results must leave dst before the final results land there
 
     # Broadcast: receive each final segment from the parent, forward it to the children.
-    receives = {
-        (tree, lo): group.irecv(dst[lo:hi], trees[tree][0][r], down_subtag[tree])
-        for tree, lo, hi in order
-        if trees[tree][0][r] is not None
-    }
-    sends = []
-    for tree, lo, hi in order:
-        if (tree, lo) in receives:
-            yield receives[tree, lo]
-        for child in trees[tree][1][r]:
-            sends.append(group.isend(dst[lo:hi], child, down_subtag[tree]))
-    yield from sends
+    yield from _pass_down(
+        group, [(dst[lo:hi], trees[tree][0][r], trees[tree][1][r], down[tree]) for tree, lo, hi in order]
+    )
 
 
-def tree_broadcast(
+def tree_broadcast_steps(
     group: Group,
     buf: np.ndarray,
     root: int,
     *,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-) -> None:
-    """Copy `buf` of member `root` into `buf` of every member, pipelined down a binary tree."""
+) -> Steps:
+    """Copy `buf` of member `root` into `buf` of every member, pipelined down a binary tree.
+
+    A step machine (`schedule`); `schedule.drive` runs it blocking. Talks on the first of the
+    group's tags."""
     p = group.size
     if p == 1:
         return
+    tag = group.tags.allocator().tag("tree broadcast")
     parents, children = binary_tree(p)
     virtual = (group.rank - root) % p  # relabel so that `root` is the tree's root
 
     def real(rank: int) -> int:
         return (rank + root) % p
 
+    up = parents[virtual]
+    parent = None if up is None else real(up)
+    mine = [real(child) for child in children[virtual]]
     pieces = segments(0, buf.size, segment_items(buf.itemsize, segment_bytes))
-    parent = parents[virtual]
-    receives = [] if parent is None else [group.irecv(buf[lo:hi], real(parent)) for lo, hi in pieces]
+    yield from _pass_down(group, [(buf[lo:hi], parent, mine, tag) for lo, hi in pieces])
+
+
+def _pass_down(group: Group, pieces: Sequence[tuple[np.ndarray, int | None, Sequence[int], int]]) -> Steps:
+    """Pipelined broadcast down a tree (NCCL's recvCopySend): every (segment, parent, children,
+    tag), in order, is received from its parent straight into place (not at the root) and then
+    forwarded to its children. Every receive is posted first, so the parent's sends never wait
+    for this rank."""
+    receives = [None if parent is None else group.irecv(segment, parent, tag) for segment, parent, _, tag in pieces]
     sends: list[Pending] = []
-    for index, (lo, hi) in enumerate(pieces):
-        if receives:
-            group.wait(receives[index])
-        for child in children[virtual]:
-            sends.append(group.isend(buf[lo:hi], real(child)))
-    group.waitall(sends)
+    for (segment, _, children, tag), receive in zip(pieces, receives):
+        if receive is not None:
+            yield wait(receive)
+        for child in children:
+            sends.append(group.isend(segment, child, tag))
+    yield from wait_all(sends)
 
 
 # -- cost -------------------------------------------------------------------------------------------

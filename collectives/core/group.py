@@ -1,27 +1,22 @@
 """`Group`: what an algorithm sees of the transport during one collective.
 
 A group is an ordered set of ranks (the whole world, or a sub-group such as "the ranks of my node"
-for hierarchical algorithms) plus everything one collective needs to talk safely: its tag block,
-the header every message carries (so mismatched calls are detected) and its deadline. Algorithms
-address peers by their index in the group and never see global ranks, tags or clocks.
+for hierarchical algorithms) plus everything one collective needs to talk safely: its range of tags
+(`collectives.core.tags`), the header every message carries (so mismatched calls are detected) and
+its deadline. Algorithms address peers by their index in the group, take their tags from the
+group's range, and never see global ranks or clocks.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
 from collectives.backends.base import Request, Transport
 from collectives.backends.errors import CollectiveError, CollectiveTimeoutError, MismatchError
-
-SUBTAGS_PER_COLLECTIVE = 64
-"""Each collective owns this many consecutive tags, so concurrent message streams never mix."""
-
-HEADER_CHECK_SUBTAG = SUBTAGS_PER_COLLECTIVE - 1
-"""Reserved for the header agreement every collective runs (`HeaderAgreement`)."""
+from collectives.core.tags import TagRange
 
 _CHECK_INTERVAL = 0.05
 """While a wait is pending, how often the header agreement is advanced and checked."""
@@ -29,29 +24,52 @@ _CHECK_INTERVAL = 0.05
 _NO_DATA = np.empty(0, dtype=np.uint8)
 
 
-class Pending(NamedTuple):
-    """A posted send or receive, with what is needed to explain a timeout."""
+class Pending:
+    """A posted send or receive, with what is needed to explain a timeout.
 
-    request: Request
-    kind: str
-    peer: int
-    tag: int
+    Immutable by convention; a plain slotted class because one is made per message, and a
+    NamedTuple takes twice as long to make.
+    """
+
+    __slots__ = ("request", "kind", "peer", "tag")
+
+    def __init__(self, request: Request, kind: str, peer: int, tag: int) -> None:
+        self.request = request
+        self.kind = kind
+        """"send to" or "receive from"."""
+        self.peer = peer
+        """The global rank of the other side."""
+        self.tag = tag
+
+    def __repr__(self) -> str:
+        return f"Pending({self.kind} rank {self.peer}, tag {self.tag})"
 
 
 class Group:
-    """A view of the transport restricted to `members`, for one collective.
+    """A view of the transport restricted to `members`, talking on the tags of `tags`, for one collective.
 
     Immutable by convention; a plain slotted class because one is built per collective and
     dataclass machinery would cost more than the messages of a small collective.
     """
 
-    __slots__ = ("transport", "members", "rank", "tag", "header", "deadline", "timeout", "agreement")
+    __slots__ = (
+        "transport",
+        "members",
+        "rank",
+        "tags",
+        "_tag_start",
+        "_tag_stop",
+        "header",
+        "deadline",
+        "timeout",
+        "agreement",
+    )
 
     def __init__(
         self,
         transport: Transport,
         members: tuple[int, ...],
-        tag: int,
+        tags: TagRange,
         header: bytes,
         deadline: float,
         timeout: float,
@@ -62,7 +80,10 @@ class Group:
         """Global ranks, in group order."""
         self.rank = members.index(transport.rank)
         """This process's index in the group."""
-        self.tag = tag
+        self.tags = tags
+        """The tags this group may talk on; a step machine lays them out with `tags.allocator()`."""
+        self._tag_start = tags.start
+        self._tag_stop = tags.stop
         self.header = header
         self.deadline = deadline
         """`time.monotonic()` value after which waiting is an error."""
@@ -75,52 +96,66 @@ class Group:
     def size(self) -> int:
         return len(self.members)
 
-    def _derive(self, members: tuple[int, ...], tag: int, agreement: HeaderAgreement | None) -> Group:
-        return Group(self.transport, members, tag, self.header, self.deadline, self.timeout, agreement)
+    def _derive(self, members: tuple[int, ...], tags: TagRange, agreement: HeaderAgreement | None) -> Group:
+        return Group(self.transport, members, tags, self.header, self.deadline, self.timeout, agreement)
 
-    def subgroup(self, indices: Sequence[int], subtag: int) -> Group:
-        """The sub-group of the given member indices, talking on its own tag."""
-        if not 0 <= subtag < HEADER_CHECK_SUBTAG:
-            raise ValueError(f"subtag {subtag} outside 0..{HEADER_CHECK_SUBTAG - 1}")
+    def subgroup(self, indices: Sequence[int], tags: TagRange) -> Group:
+        """The sub-group of the given member indices, talking on `tags`, a part of this group's
+        range (from its allocator) that nothing else running at the same time talks on."""
+        if not self._tag_start <= tags.start <= tags.stop <= self._tag_stop:
+            raise ValueError(
+                f"{tags.owner}: a sub-group's tags [{tags.start}, {tags.stop}) must lie in its group's "
+                f"[{self._tag_start}, {self._tag_stop}) ({self.tags.owner})"
+            )
         members = tuple(self.members[i] for i in indices)
-        return self._derive(members, self.tag + subtag, self.agreement)
+        return self._derive(members, tags, self.agreement)
 
     def with_agreement(self) -> Group:
-        """This group, with a `HeaderAgreement` among its members under way."""
+        """This group, with a `HeaderAgreement` among its members under way on the first of its
+        tags, and the rest of its tags left to the collective's algorithm."""
         if self.size == 1:
             return self
-        return self._derive(self.members, self.tag, HeaderAgreement(self))
+        tags = self.tags.allocator()
+        agreement = HeaderAgreement(self.without_agreement(), tags.tag("header agreement"))
+        return self._derive(self.members, tags.rest(), agreement)
 
     def without_agreement(self) -> Group:
         """This group, waiting plainly (used by the agreement itself)."""
-        return self._derive(self.members, self.tag, None)
+        return self._derive(self.members, self.tags, None)
 
     def finish_agreement(self) -> None:
         """Block until every member is known to have called this collective identically."""
         if self.agreement is not None:
             self.agreement.finish()
 
-    def isend(self, buf: np.ndarray, peer: int, subtag: int = 0) -> Pending:
-        """Start sending `buf` to group member `peer`."""
-        tag = self.tag + subtag
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Pending:
+        """Start sending `buf` to group member `peer` on `tag`, one of this group's tags."""
+        if not self._tag_start <= tag < self._tag_stop:
+            self._refuse_tag("send to", peer, tag)
         dst = self.members[peer]
         return Pending(self.transport.isend(buf, dst, tag, self.header), "send to", dst, tag)
 
-    def irecv(self, buf: np.ndarray, peer: int, subtag: int = 0) -> Pending:
-        """Start receiving from group member `peer` into `buf`."""
-        tag = self.tag + subtag
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Pending:
+        """Start receiving from group member `peer` on `tag`, one of this group's tags, into `buf`."""
+        if not self._tag_start <= tag < self._tag_stop:
+            self._refuse_tag("receive from", peer, tag)
         src = self.members[peer]
         return Pending(self.transport.irecv(buf, src, tag, self.header), "receive from", src, tag)
+
+    def _refuse_tag(self, kind: str, peer: int, tag: int) -> None:
+        raise ValueError(
+            f"rank {self.transport.rank}: {kind} member {peer} on tag {tag}, outside this group's tags "
+            f"[{self._tag_start}, {self._tag_stop}) ({self.tags.owner}); take tags from the group's allocator"
+        )
 
     @property
     def fuses_receive_reduce(self) -> bool:
         return self.transport.fuses_receive_reduce
 
-    def irecv_reduce(
-        self, buf: np.ndarray, peer: int, consume: Callable[[np.ndarray], None], subtag: int = 0
-    ) -> Pending:
-        """Start receiving from `peer` a message of `buf`'s size, handed to `consume` on arrival."""
-        tag = self.tag + subtag
+    def irecv_reduce(self, buf: np.ndarray, peer: int, consume: Callable[[np.ndarray], None], tag: int) -> Pending:
+        """Start receiving from `peer` on `tag` a message of `buf`'s size, handed to `consume` on arrival."""
+        if not self._tag_start <= tag < self._tag_stop:
+            self._refuse_tag("receive from", peer, tag)
         src = self.members[peer]
         request = self.transport.irecv_reduce(buf, src, tag, self.header, consume)
         return Pending(request, "receive from", src, tag)
@@ -153,8 +188,13 @@ class Group:
 
         Checks as `wait` does: the header agreement advances while waiting, a failed operation
         raises its error, and a timeout names the first of `pendings` (the one waited on longest
-        by the caller's convention).
+        by the caller's convention). One operation is waited for as `wait` does.
         """
+        if len(pendings) == 1:
+            self.wait(pendings[0])
+            return 0
+        if not pendings:
+            raise ValueError(f"rank {self.transport.rank}: wait_any needs at least one operation to wait for")
         requests = [pending.request for pending in pendings]
         agreement = self.agreement
         while True:
@@ -206,8 +246,10 @@ class HeaderAgreement:
     The rounds advance while the algorithm waits (`progress`), so they mostly overlap it.
     """
 
-    def __init__(self, group: Group) -> None:
-        self._group = group.without_agreement()
+    def __init__(self, group: Group, tag: int) -> None:
+        """Start the rounds among `group`'s members on `tag`, which nothing else uses."""
+        self._group = group
+        self._tag = tag
         self._distance = 1
         self._sent: list[Pending] = []
         self._receive: Pending | None = None
@@ -223,9 +265,9 @@ class HeaderAgreement:
             self._receive = None
             return
         rank, size = group.rank, group.size
-        self._sent.append(group.isend(_NO_DATA, (rank + distance) % size, HEADER_CHECK_SUBTAG))
+        self._sent.append(group.isend(_NO_DATA, (rank + distance) % size, self._tag))
         inbox = np.empty(0, dtype=np.uint8)
-        self._receive = group.irecv(inbox, (rank - distance) % size, HEADER_CHECK_SUBTAG)
+        self._receive = group.irecv(inbox, (rank - distance) % size, self._tag)
 
     def progress(self) -> None:
         """Start every round whose predecessor has matched, without blocking.

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from collectives.core.group import Group, Pending
+from collectives.core.schedule import Steps, wait
 
 PIPELINE_DEPTH = 4
 """Receives kept posted ahead of the one being consumed."""
@@ -25,7 +26,7 @@ ReduceSegment = Callable[[int, int, np.ndarray], None]
 
 
 class ReduceStream:
-    """Receives `spans[i]` = (lo, hi) for i = 0, 1, ... from group member `peer`, in order.
+    """Receives `spans[i]` = (lo, hi) for i = 0, 1, ... from group member `peer` on `tag`, in order.
 
     Args:
         target: the array the spans index; gives the size and dtype of each message.
@@ -38,7 +39,7 @@ class ReduceStream:
         self,
         group: Group,
         peer: int,
-        subtag: int,
+        tag: int,
         spans: Sequence[tuple[int, int]],
         target: np.ndarray,
         reduce_segment: ReduceSegment,
@@ -47,7 +48,7 @@ class ReduceStream:
     ) -> None:
         self._group = group
         self._peer = peer
-        self._subtag = subtag
+        self._tag = tag
         self._spans = list(spans)
         self._target = target
         self._reduce_segment = reduce_segment
@@ -74,19 +75,19 @@ class ReduceStream:
         lo, hi = self._spans[index]
         if self._fused:
             consume = functools.partial(self._reduce_segment, lo, hi)
-            pending = self._group.irecv_reduce(self._target[lo:hi], self._peer, consume, self._subtag)
+            pending = self._group.irecv_reduce(self._target[lo:hi], self._peer, consume, self._tag)
             self._posted.append((pending, lo, hi, None))
         else:
             slot = self._slots[index % self._depth, : hi - lo]
-            self._posted.append((self._group.irecv(slot, self._peer, self._subtag), lo, hi, slot))
+            self._posted.append((self._group.irecv(slot, self._peer, self._tag), lo, hi, slot))
         self._next_to_post += 1
 
-    def next_segment(self) -> Iterator[Pending]:
-        """Step machine (`schedule.Steps`): yields the next segment's receive, then reduces it."""
+    def next_segment(self) -> Steps:
+        """The step (NCCL's recvReduce): wait for the next segment, then reduce it into place."""
         if self._slot_in_use:
             self._post()  # the scratch slot consumed last time is free again
         self._slot_in_use = True
         pending, lo, hi, slot = self._posted.popleft()
-        yield pending
+        yield wait(pending)
         if slot is not None:
             self._reduce_segment(lo, hi, slot)

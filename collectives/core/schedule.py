@@ -1,85 +1,124 @@
-"""Step machines, and the scheduler that runs several of them on one thread.
+"""Step machines: algorithms as generators that say what they wait for, and the drivers that run them.
 
-An algorithm written as a step machine is a generator that posts non-blocking sends and receives
-and yields each `Pending` it must see completed before it can go on (a receive it reduces, the
-sends that must leave a buffer before it is overwritten). Run alone (`drive`) it is the plain
-blocking algorithm: every yield is a `Group.wait`. Run as stages of a pipeline (`run_pipeline`), one
-thread advances several of them and waits for whichever operation completes first, so the phases of
-a collective overlap without a second thread. That matters because a transport may not be safe for
-two threads inside one collective, and because the simulated backend times each rank as one thread
-on its virtual clock: a helper thread there would stop the simulation.
+An algorithm written as a step machine posts non-blocking sends and receives, and whenever it
+cannot go on before one of them has completed (a receive it reduces, the sends that must leave a
+buffer before it is overwritten) it yields a `WaitAny` of them; it is resumed with the index of the
+one that completed. That is the whole protocol. Algorithms read as straight lines through a few
+verbs::
 
-Every wait goes through the collective's `Group`, so it keeps its deadline and the header
-agreement's progress, and a failure names rank, peer and tag as a single wait would.
+    yield wait(receive)                       # one operation
+    first = yield wait_any(receives)          # the first of several to complete: its index
+    yield from wait_all(sends)                # every one, in order
 
-The pipeline scheduler is itself a generator (`pipeline_steps`, a `Waits`: it yields one `Pending`
-or a list to wait for the first of), so a whole collective can be driven without blocking: `drive`
-runs it on the calling thread with `Group.wait`/`Group.wait_any`, while the simulated backend runs
-the collectives of every rank in one thread on its event queue (`collectives.selection.simulation`).
+A wait is a value the machine yields; whatever takes several steps (`wait_all`, another algorithm,
+a composite step such as `ReduceStream.next_segment`, NCCL's recvReduce) is a step machine of its
+own, run inline with `yield from`. Waiting for one operation thus costs no generator of its own,
+which matters on the simulated backend, where a wait is a good part of the cost of a message.
+
+A driver runs a step machine to its end: it waits for the first completion among what the machine
+yields and resumes the machine with its index; an operation that failed raises its error inside
+the machine, where it waited, as a blocking wait would. There are two drivers:
+
+- `drive(group, steps)` blocks the calling thread in `Group.wait_any`, so every wait keeps the
+  collective's deadline and advances its header agreement, and a failure names rank, peer and tag
+  as a single wait would. It is the blocking form of every algorithm.
+- The simulated backend advances the machines of every rank on its event queue, in one thread
+  (`collectives.selection.simulation.rank_steps` hands it the requests of each wait;
+  `collectives.backends.simulated.simulate_steps` waits for the first of them on the virtual clock).
+
+Because one thread can drive several machines, the phases of a collective can overlap without a
+second thread: `pipeline_steps` runs stages over blocks and is itself a step machine. That matters
+because a transport may not be safe for two threads inside one collective, and because the
+simulated backend times each rank as one thread on its virtual clock: a helper thread there would
+stop the simulation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 
 from collectives.core.group import Group, Pending
 
-Steps = Generator[Pending, None, None]
-"""A step machine: yields what it waits for; resumed once that has completed."""
+
+class WaitAny(tuple[Pending, ...]):
+    """What a step machine yields: the operations it waits for; it is resumed with the index of the
+    first of them found completed, in this order (the first is the one a timeout names).
+
+    A tuple subclass: immutable, and as cheap to make as a tuple (one is made per wait).
+    """
+
+    __slots__ = ()
+
+
+Steps = Generator[WaitAny, int, None]
+"""A step machine: yields what it waits for, resumed with the index of what completed."""
 
 Stage = Callable[[int], Steps]
 """stage(block): the step machine of one pipeline stage on one block."""
 
-Waits = Generator[Pending | list[Pending], int | None, None]
-"""A step machine that may also wait for the first of several operations: it yields a `Pending`
-(resumed with None once it completed) or a list of them (resumed with the index of the first one
-found completed, in list order, as `Group.wait_any` returns it). Every `Steps` is one."""
+
+def wait(pending: Pending) -> WaitAny:
+    """The wait for one operation: `yield wait(receive)`."""
+    return WaitAny((pending,))
+
+
+def wait_any(pendings: Iterable[Pending]) -> WaitAny:
+    """The wait for the first of `pendings` to complete: `first = yield wait_any(receives)` gives
+    its index."""
+    return WaitAny(pendings)
+
+
+def wait_all(pendings: Iterable[Pending]) -> Steps:
+    """Wait for every operation, one after another in the given order: `yield from wait_all(sends)`."""
+    for pending in pendings:
+        yield WaitAny((pending,))
+
+
+def drive(group: Group, steps: Steps) -> None:
+    """Run a step machine to its end on this thread, blocking in `group` for what it waits for:
+    the blocking driver. Any group of the collective will do (they share deadline and agreement):
+    the operations carry their own peers and tags."""
+    wait_for_first = group.wait_any
+    try:
+        waiting = next(steps)
+        while True:
+            try:
+                index = wait_for_first(waiting)
+            except Exception as error:  # noqa: BLE001 - raised inside the machine, where it waited
+                waiting = steps.throw(error)
+            else:
+                waiting = steps.send(index)
+    except StopIteration:
+        return
+
+
+_RUNNABLE = WaitAny()
+"""What a pipeline machine that can go on waits for: nothing."""
 
 
 class _Machine:
-    """One stage running on one block, and what it waits on (None while it can go on)."""
+    """One stage running on one block, and what it waits for (nothing while it can go on)."""
 
-    __slots__ = ("stage", "block", "steps", "pending")
+    __slots__ = ("stage", "block", "steps", "waiting")
 
     def __init__(self, stage: int, block: int, steps: Steps) -> None:
         self.stage = stage
         self.block = block
         self.steps = steps
-        self.pending: Pending | None = None
+        self.waiting = _RUNNABLE
 
 
-def drive(group: Group, waits: Waits | Steps) -> None:
-    """Run a step machine to the end on this thread, blocking in `group` for what it yields: the
-    blocking form of every algorithm."""
-    try:
-        item = next(waits)
-        while True:
-            if isinstance(item, Pending):
-                group.wait(item)
-                item = waits.send(None)
-            else:
-                item = waits.send(group.wait_any(item))
-    except StopIteration:
-        return
-
-
-def run_pipeline(group: Group, stages: Sequence[Stage], blocks: int, windows: Sequence[int] | None = None) -> None:
-    """Run every stage on every block, as `pipeline_steps` orders them, blocking on this thread."""
-    drive(group, pipeline_steps(stages, blocks, windows))
-
-
-def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] | None = None) -> Waits:
+def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] | None = None) -> Steps:
     """Run every stage on every block: stage k on block b starts once stage k-1 has finished block
     b and stage k has finished every block before b - windows[k] + 1.
 
     A window of 1 (the default) runs a stage on one block at a time; a wider window lets a stage
     work on several blocks at once, so a link never idles while one block waits on a round trip
-    (the blocks' messages must then be told apart, e.g. by tags). All machines that can go on are
-    advanced (later stages first, so finished blocks leave the pipeline before new ones enter it;
-    older blocks first within a stage), then the scheduler waits for the first completion among
-    the operations they wait on, oldest first in what it yields, so a timeout names the operation
-    waited on longest. The operations carry their own peers and tags, so any group of the
-    collective (they share deadline and agreement) can wait for them.
+    (the blocks' messages must then be told apart, by groups on tags of their own). All machines
+    that can go on are advanced (later stages first, so finished blocks leave the pipeline before
+    new ones enter it; older blocks first within a stage), then the scheduler waits for the first
+    completion among the operations they wait for, those of the machine waiting longest first, so
+    a timeout names the operation waited on longest.
 
     Only a finished block can let other machines start, so after a completion the scheduler
     advances just the machine that waited for it, and sweeps the stages for machines to start only
@@ -97,11 +136,14 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
     """Per stage, its machines in block order."""
     outstanding: list[_Machine] = []
     """The machines waiting, in the order they started waiting."""
+    waiting_for_several = 0
+    """How many of them wait for the first of several operations."""
 
-    def advance(machine: _Machine) -> bool:
-        """Run `machine` to its next wait (queued in `outstanding`); True if it finished instead."""
+    def advance(machine: _Machine, index: int | None) -> bool:
+        """Start `machine` (index None) or resume it with the index of what completed, up to its
+        next wait (queued in `outstanding`); True if it finished instead."""
         try:
-            machine.pending = next(machine.steps)
+            machine.waiting = next(machine.steps) if index is None else machine.steps.send(index)
         except StopIteration:
             stage = machine.stage
             running[stage].remove(machine)
@@ -110,6 +152,9 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
                 lowest[stage] += 1
             return True
         outstanding.append(machine)
+        if len(machine.waiting) > 1:
+            nonlocal waiting_for_several
+            waiting_for_several += 1
         return False
 
     def start_and_advance(top: int) -> None:
@@ -131,19 +176,28 @@ def pipeline_steps(stages: Sequence[Stage], blocks: int, windows: Sequence[int] 
                     ):
                         machines.append(_Machine(stage, block, stages[stage](block)))
                         block = started[stage] = block + 1
-                    for machine in [machine for machine in machines if machine.pending is None]:
-                        if advance(machine):
+                    for machine in [machine for machine in machines if not machine.waiting]:
+                        if advance(machine, None):
                             progress = sweep = True
             top = count - 1
 
     start_and_advance(count - 1)
     while outstanding:
-        if len(outstanding) == 1:  # nothing to overlap: wait as a blocking algorithm would
+        if len(outstanding) == 1:  # nothing to overlap: wait as the machine alone would
             machine = outstanding.pop()
-            yield machine.pending
+            index = yield machine.waiting
+        elif waiting_for_several == 0:  # every machine waits for one operation (the usual case)
+            machine = outstanding.pop((yield WaitAny([machine.waiting[0] for machine in outstanding])))
+            index = 0
         else:
-            index = yield [machine.pending for machine in outstanding]
-            machine = outstanding.pop(index)
-        machine.pending = None
-        if advance(machine):  # as a full sweep would have found it, at its stage's turn
+            index = yield WaitAny([pending for machine in outstanding for pending in machine.waiting])
+            position = 0
+            while index >= len(outstanding[position].waiting):  # find whose operation it was
+                index -= len(outstanding[position].waiting)
+                position += 1
+            machine = outstanding.pop(position)
+        if len(machine.waiting) > 1:
+            waiting_for_several -= 1
+        machine.waiting = _RUNNABLE
+        if advance(machine, index):  # as a full sweep would have found it, at its stage's turn
             start_and_advance(machine.stage)

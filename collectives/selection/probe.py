@@ -28,10 +28,11 @@ import math
 
 import numpy as np
 
-from collectives.algorithms.barrier import dissemination_barrier
-from collectives.algorithms.ring import ring_allgather
+from collectives.algorithms.barrier import dissemination_barrier_steps
+from collectives.algorithms.ring import ring_allgather_steps
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp, combine
+from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCost, LinkCosts, Topology
 
 PROBE_BYTES = 1 << 20
@@ -40,15 +41,17 @@ PROBE_BYTES = 1 << 20
 TINY_BYTES = 8
 REPEATS = 5
 
-_INTRA, _INTER, _LOADED = 1, 2, 3  # phases, also the subtags of their messages
-_BARRIER_SUBTAG, _GATHER_SUBTAG = 4, 5
+_INTRA, _INTER, _LOADED = 1, 2, 3  # phases
 _COLUMNS = 7  # intra tiny, intra large, inter tiny, inter large, loaded tiny, loaded large, gamma
 
 
 def probe_links(group: Group, topology: Topology, *, repeats: int = REPEATS) -> LinkCosts:
     """Measure the link costs of the world `group` spans; call on every member (a collective)."""
     transport = group.transport
-    everyone = group.subgroup(range(group.size), _BARRIER_SUBTAG)
+    tags = group.tags.allocator()
+    phase_tags = {phase: tags.tag(f"probe phase {phase}") for phase in (_INTRA, _INTER, _LOADED)}
+    everyone = group.subgroup(range(group.size), tags.take("barrier"))
+    gather = group.subgroup(range(group.size), tags.take("link table all-gather"))
     mine = np.full(_COLUMNS, math.nan)
     nodes = topology.nodes
     tiny = transport.empty(TINY_BYTES, np.uint8)
@@ -62,20 +65,18 @@ def probe_links(group: Group, topology: Topology, *, repeats: int = REPEATS) -> 
         for column, buf in enumerate((tiny, large), start=2 * (phase - 1)):
             round_trips = []
             for _ in range(repeats + 1):  # the first one is untimed
-                dissemination_barrier(everyone)  # every pair of the phase starts together...
+                drive(everyone, dissemination_barrier_steps(everyone))  # all pairs of the phase start together...
                 if peer is not None:
-                    _exchange(group, tiny, peer, leading, phase)  # ...and both of a pair are here
+                    _exchange(group, tiny, peer, leading, phase_tags[phase])  # ...and both of a pair are here
                     start = transport.clock()
-                    _exchange(group, buf, peer, leading, phase)
+                    _exchange(group, buf, peer, leading, phase_tags[phase])
                     round_trips.append(transport.clock() - start)
             if leading:
                 mine[column] = float(np.median(round_trips[1:])) / 2
     mine[6] = _reduction_seconds(transport, repeats) / PROBE_BYTES
     table = np.empty(group.size * _COLUMNS)
     table[group.rank * _COLUMNS : (group.rank + 1) * _COLUMNS] = mine
-    ring_allgather(
-        group.subgroup(range(group.size), _GATHER_SUBTAG), table, [r * _COLUMNS for r in range(group.size + 1)]
-    )
+    drive(gather, ring_allgather_steps(gather, table, [r * _COLUMNS for r in range(group.size + 1)]))
     return _link_costs(table.reshape(group.size, _COLUMNS), nodes)
 
 
@@ -102,14 +103,14 @@ def _partner(rank: int, pairs: list[tuple[int, int]]) -> tuple[int | None, bool]
     return None, False
 
 
-def _exchange(group: Group, buf: np.ndarray, peer: int, leading: bool, subtag: int) -> None:
-    """One round trip: the leader sends `buf` and gets it back."""
+def _exchange(group: Group, buf: np.ndarray, peer: int, leading: bool, tag: int) -> None:
+    """One round trip on `tag`: the leader sends `buf` and gets it back."""
     if leading:
-        group.wait(group.isend(buf, peer, subtag))
-        group.wait(group.irecv(buf, peer, subtag))
+        group.wait(group.isend(buf, peer, tag))
+        group.wait(group.irecv(buf, peer, tag))
     else:
-        group.wait(group.irecv(buf, peer, subtag))
-        group.wait(group.isend(buf, peer, subtag))
+        group.wait(group.irecv(buf, peer, tag))
+        group.wait(group.isend(buf, peer, tag))
 
 
 def _reduction_seconds(transport, repeats: int) -> float:

@@ -5,9 +5,11 @@ header agreement (its empty messages would add about log2(p) alpha to every algo
 communication thread, and buffers from `SimulatedTransport.empty`, so timing-only runs allocate
 nothing. The time of a run is when the last rank finishes; all ranks start at time 0.
 
-The algorithm runs as its step machine (`registry.allreduce_steps`) under `simulate_steps`, every
-rank in one thread: the same code and the same virtual times as driving it blocking (`schedule.drive`) on a thread
-per rank under `simulate`, several times faster in real time (see `collectives.backends.simulated`).
+The algorithm runs as its step machine (`registry.allreduce_steps`) on the simulated driver: the
+backend's `simulate_steps` advances every rank on its event queue in one thread, and `rank_steps`
+hands it the requests each wait is for. The same code and the same virtual times as the blocking
+driver (`schedule.drive`) on a thread per rank under `simulate`, several times faster in real time
+(see `collectives.backends.simulated`).
 
 `regret_grid` puts the selector to the test: on each cluster it probes the links, lets the selector
 choose per size, and simulates every candidate at every size. The simulations are independent and
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from collectives.algorithms.registry import allreduce_steps, auto_candidates
+from collectives.backends.base import Request
 from collectives.backends.simulated import (
     Cluster,
     RankSteps,
@@ -37,10 +40,11 @@ from collectives.backends.simulated import (
     simulate,
     simulate_steps,
 )
-from collectives.core.group import SUBTAGS_PER_COLLECTIVE, Group, Pending
+from collectives.core.group import Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES
 from collectives.core.ops import ReduceOp
-from collectives.core.schedule import Waits, drive
+from collectives.core.schedule import Steps, drive
+from collectives.core.tags import collective_tags
 from collectives.core.topology import LinkCosts, Topology
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Selector
@@ -71,23 +75,24 @@ def simulate_allreduce(
     itemsize = np.dtype(dtype).itemsize
     count = nbytes // itemsize
     nodes = Topology(cluster.hosts).nodes
-    header = f"simulated allreduce algorithm={algorithm} count={count} dtype={dtype}".encode()
+    name = f"simulated allreduce algorithm={algorithm} count={count} dtype={dtype}"
+    header = name.encode()
 
-    def start(transport: SimulatedTransport) -> tuple[Group, Waits, np.ndarray]:
-        group = Group(transport, tuple(range(transport.size)), SUBTAGS_PER_COLLECTIVE, header, math.inf, math.inf)
+    def start(transport: SimulatedTransport) -> tuple[Group, Steps, np.ndarray]:
+        group = Group(transport, tuple(range(transport.size)), collective_tags(0, name), header, math.inf, math.inf)
         src = transport.empty(count, dtype)
         src[...] = transport.rank + 1
         dst = transport.empty(count, dtype)
         return group, allreduce_steps(algorithm, group, nodes, src, dst, ReduceOp.SUM, segment_bytes=segment_bytes), dst
 
     def rank_main(transport: SimulatedTransport) -> RankSteps[np.ndarray | None]:
-        _, waits, dst = start(transport)
-        yield from rank_steps(waits)
+        _, steps, dst = start(transport)
+        yield from rank_steps(steps)
         return None if timing_only else dst.view(np.ndarray)
 
     def rank_thread(transport: SimulatedTransport) -> np.ndarray | None:
-        group, waits, dst = start(transport)
-        drive(group, waits)
+        group, steps, dst = start(transport)
+        drive(group, steps)
         return None if timing_only else dst.view(np.ndarray)
 
     if threaded:
@@ -95,28 +100,32 @@ def simulate_allreduce(
     return simulate_steps(rank_main, cluster, timing_only=timing_only)
 
 
-def rank_steps(waits: Waits) -> RankSteps[None]:
-    """A collective's step machine as the simulator runs it: the requests of what it waits for.
+def rank_steps(steps: Steps) -> RankSteps[None]:
+    """The simulated driver's collectives half: a step machine as the simulated transport runs it,
+    yielding the requests of each wait (`simulate_steps` resumes it at the first of them to
+    complete, on the virtual clock, with that one's index, or raises that one's error here, which
+    goes on into `steps`, where it waited).
 
-    A failed request's error is thrown into `waits` where it waited, as `Group.wait` would raise
-    it there. Group deadlines and header agreements do not apply: simulated waits never time out,
-    and `simulate_allreduce` runs without an agreement.
+    Group deadlines and header agreements do not apply: simulated waits never time out, and
+    `simulate_allreduce` runs without an agreement.
     """
-    value: int | None = None
-    error: Exception | None = None
-    while True:
-        try:
-            item = waits.send(value) if error is None else waits.throw(error)
-        except StopIteration:
-            return
-        single = isinstance(item, Pending)
-        requests: Sequence = (item.request,) if single else [pending.request for pending in item]
-        try:
-            index = yield requests
-        except Exception as failure:  # noqa: BLE001 - a request's error, raised where `waits` waited
-            value, error = None, failure
-        else:
-            value, error = (None if single else index), None
+    try:
+        waiting = next(steps)
+        while True:
+            if len(waiting) == 1:  # most waits: spare the list
+                requests: Sequence[Request] = (waiting[0].request,)
+            elif waiting:
+                requests = [pending.request for pending in waiting]
+            else:
+                raise ValueError("a step machine waited for no operation")
+            try:
+                index = yield requests
+            except Exception as error:  # noqa: BLE001 - a request's error, raised where `steps` waited
+                waiting = steps.throw(error)
+            else:
+                waiting = steps.send(index)
+    except StopIteration:
+        return
 
 
 def probe_cluster(cluster: Cluster) -> LinkCosts:
@@ -124,7 +133,9 @@ def probe_cluster(cluster: Cluster) -> LinkCosts:
     topology = Topology(cluster.hosts)
 
     def body(transport: SimulatedTransport) -> LinkCosts:
-        group = Group(transport, tuple(range(transport.size)), SUBTAGS_PER_COLLECTIVE, b"probe", math.inf, math.inf)
+        group = Group(
+            transport, tuple(range(transport.size)), collective_tags(0, "probe"), b"probe", math.inf, math.inf
+        )
         return probe_links(group, topology)
 
     return simulate(body, cluster).results[0]
