@@ -55,9 +55,9 @@ def binary_tree(size: int) -> tuple[tuple[int | None, ...], tuple[tuple[int, ...
         parent = (rank ^ low_bit) | (low_bit << 1)
         parents.append(parent if parent < size else rank ^ low_bit)
     children: list[list[int]] = [[] for _ in range(size)]
-    for rank, parent in enumerate(parents):
-        if parent is not None:
-            children[parent].append(rank)
+    for rank, up in enumerate(parents):
+        if up is not None:
+            children[up].append(rank)
     return tuple(parents), tuple(tuple(sorted(c)) for c in children)
 
 

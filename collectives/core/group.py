@@ -164,7 +164,7 @@ class Group:
         """Wait for one operation until the collective's deadline; fail early on a mismatch."""
         agreement = self.agreement
         while True:
-            checking = agreement is not None and not agreement.done
+            checking = agreement if agreement is not None and not agreement.done else None
             remaining = self.deadline - time.monotonic()
             try:
                 pending.request.wait(max(min(remaining, _CHECK_INTERVAL) if checking else remaining, 0.0))
@@ -173,11 +173,11 @@ class Group:
                 raise
             except CollectiveError:
                 if checking:  # a peer that gave up because of a mismatch: report the cause
-                    agreement.progress()
+                    checking.progress()
                 raise
             except TimeoutError:
                 if checking:
-                    agreement.progress()
+                    checking.progress()
                 if time.monotonic() >= self.deadline:
                     self._raise_timeout(pending)
         if agreement is not None and not agreement.done:
@@ -202,13 +202,13 @@ class Group:
                 if pending.request.test():
                     self.wait(pending)  # raises the operation's error; advances the agreement
                     return index
-            checking = agreement is not None and not agreement.done
+            checking = agreement if agreement is not None and not agreement.done else None
             remaining = self.deadline - time.monotonic()
             try:
                 self.transport.wait_any(requests, max(min(remaining, _CHECK_INTERVAL) if checking else remaining, 0.0))
             except TimeoutError:
                 if checking:
-                    agreement.progress()
+                    checking.progress()
                 if time.monotonic() >= self.deadline:
                     self._raise_timeout(pendings[0])
 

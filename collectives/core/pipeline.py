@@ -58,7 +58,7 @@ class ReduceStream:
         # From the transport, like any buffer it receives into: on the simulated backend's
         # timing-only runs that costs no memory.
         self._slots = (
-            None
+            np.empty((0, 0), dtype=target.dtype)  # unused: segments are reduced where they arrive
             if self._fused
             else group.transport.empty(self._depth * longest, target.dtype).reshape(self._depth, longest)
         )

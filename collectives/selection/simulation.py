@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from collectives.algorithms.registry import allreduce_steps, auto_candidates
-from collectives.backends.base import Request
 from collectives.backends.simulated import (
     Cluster,
     RankSteps,
@@ -113,7 +112,7 @@ def rank_steps(steps: Steps) -> RankSteps[None]:
         waiting = next(steps)
         while True:
             if len(waiting) == 1:  # most waits: spare the list
-                requests: Sequence[Request] = (waiting[0].request,)
+                requests: Sequence[Any] = (waiting[0].request,)  # the simulated transport's own
             elif waiting:
                 requests = [pending.request for pending in waiting]
             else:
