@@ -49,6 +49,22 @@ CostFunction = Callable[[int, Topology, LinkCosts, int], float]
 `nbytes` per rank (`nbytes > 0`, at least two ranks)."""
 
 
+FlatSteps = Callable[..., Steps]
+"""steps(group, src, dst, op, *, segment_bytes): the step machine of an algorithm that does not
+look at the node layout."""
+
+
+def ignoring_nodes(steps: FlatSteps) -> AllReduceSteps:
+    """The registry's form of a step machine that does not look at the node layout."""
+
+    def with_nodes(
+        group: Group, nodes: Sequence[Sequence[int]], src: np.ndarray, dst: np.ndarray, op: ReduceOp, segment_bytes: int
+    ) -> Steps:
+        return steps(group, src, dst, op, segment_bytes=segment_bytes)
+
+    return with_nodes
+
+
 def _everywhere(topology: Topology) -> bool:
     return True
 

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from collectives.algorithms.registry import AllReduceAlgorithm, register
+from collectives.algorithms.registry import AllReduceAlgorithm, ignoring_nodes, register
 from collectives.core.group import Group, Pending
 from collectives.core.layout import (
     DEFAULT_BLOCK_BYTES,
@@ -221,17 +221,11 @@ def _ring_cost(nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes:
     return ring_allreduce_cost(nbytes, topology.size, link, costs.gamma, segment_bytes)
 
 
-def _ring_steps(
-    group: Group, nodes: Sequence[Sequence[int]], src: np.ndarray, dst: np.ndarray, op: ReduceOp, segment_bytes: int
-) -> Steps:
-    return ring_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes)
-
-
 register(
     AllReduceAlgorithm(
         name="ring",
         summary="reduce-scatter then all-gather around a ring, pipelined in segments; bandwidth-optimal",
-        steps=_ring_steps,
+        steps=ignoring_nodes(ring_allreduce_steps),
         cost=_ring_cost,
     )
 )

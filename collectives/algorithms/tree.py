@@ -35,7 +35,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from collectives.algorithms.registry import AllReduceAlgorithm, register
+from collectives.algorithms.registry import AllReduceAlgorithm, ignoring_nodes, register
 from collectives.core.group import Group, Pending
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, segment_items, segments, stream_pieces
 from collectives.core.ops import ReduceOp, combine, finalize
@@ -297,17 +297,11 @@ def _tree_cost(nbytes: int, topology: Topology, costs: LinkCosts, segment_bytes:
     return tree_allreduce_cost(nbytes, range(topology.size), topology.node_index, costs, segment_bytes)
 
 
-def _tree_steps(
-    group: Group, nodes: Sequence[Sequence[int]], src: np.ndarray, dst: np.ndarray, op: ReduceOp, segment_bytes: int
-) -> Steps:
-    return tree_allreduce_steps(group, src, dst, op, segment_bytes=segment_bytes)
-
-
 register(
     AllReduceAlgorithm(
         name="tree",
         summary="reduce up and broadcast down two complementary binary trees (NCCL's double tree); logarithmic latency",
-        steps=_tree_steps,
+        steps=ignoring_nodes(tree_allreduce_steps),
         cost=_tree_cost,
     )
 )
