@@ -106,7 +106,7 @@ def test_registering_and_asking_for_names_is_checked(toy: AllReduceAlgorithm) ->
     for bad in ("auto", "native", "not a name"):
         with pytest.raises(ValueError, match="identifier"):
             registry.register(AllReduceAlgorithm(bad, "", direct_exchange_steps, direct_exchange_cost))
-    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'nope'; expected one of ring, tree"):
+    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'nope'; expected one of 'ring', 'tree'"):
         registry.lookup("nope")
 
 

@@ -114,7 +114,10 @@ def lookup(name: str) -> AllReduceAlgorithm:
     """The algorithm registered as `name`, or a ValueError listing the ones there are."""
     algorithm = _REGISTRY.get(name)
     if algorithm is None:
-        raise ValueError(f"unknown all-reduce algorithm {name!r}; expected one of {', '.join(_REGISTRY)}")
+        raise ValueError(
+            f"unknown all-reduce algorithm {name!r}; expected one of {', '.join(map(repr, _REGISTRY))}, "
+            f"'auto', or 'native' on a backend with its own all-reduce"
+        )
     return algorithm
 
 
