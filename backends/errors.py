@@ -47,7 +47,12 @@ class BackendUnavailableError(CollectiveError, ImportError):
             f"install it with: pip install -e '.[{extra}]'"
         )
         self.backend = backend
+        self.module = module
         self.extra = extra
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        """Rebuild from the constructor's arguments, so the error survives pickling (a worker process's error)."""
+        return type(self), (self.backend, self.module, self.extra)
 
 
 ABORT_MISMATCH = "mismatch"

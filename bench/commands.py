@@ -16,6 +16,8 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
+from collectives.backends.errors import BackendUnavailableError
+
 from . import netns
 from .cli import UsageError, build_parser, build_scaling_parser, ranks_per_node, size_range, sweep_spec, tunes
 from .measure import SweepResult
@@ -28,8 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["scaling"]:
-            return scaling_command(build_scaling_parser().parse_args(argv[1:]))
-        args = build_parser().parse_args(argv)
+            return scaling_command(_plottable(build_scaling_parser().parse_args(argv[1:])))
+        args = _plottable(build_parser().parse_args(argv))
         if args.emulate_nodes is not None and not args.worker_output:
             args = netns.resolve_arguments(args)
         if args.backend == "simulated":
@@ -40,6 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"python -m bench: error: {error}", file=sys.stderr)
         return 2
+
+
+def _plottable(args: argparse.Namespace) -> argparse.Namespace:
+    """`args`, after checking that `--plot` can be honoured (before anything is measured)."""
+    if args.plot:
+        from .plots import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except BackendUnavailableError as error:
+            raise UsageError(f"--plot needs matplotlib: {error}") from None
+    return args
 
 
 def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:

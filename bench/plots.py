@@ -15,11 +15,21 @@ from .measure import COPY_BOUND, OUT_OF_PLACE, SweepResult
 from .scaling import ScalingPoint
 
 
-def _pyplot() -> Any:
+def require_matplotlib() -> None:
+    """Raise `BackendUnavailableError` naming the `bench` extra if matplotlib is missing.
+
+    Commands call it before measuring, so a missing package fails at once, not after the sweep.
+    """
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise BackendUnavailableError("plots", "matplotlib", "bench") from None
+
+
+def _pyplot() -> Any:
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -37,6 +37,7 @@ are stopped: the launcher (by its process group) and each rank (by the pid it wr
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -573,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if importlib.util.find_spec("tensorflow") is None:
+        print("collectives.bench.tf_compare needs TensorFlow: pip install -e '.[tf]'", file=sys.stderr)
+        return 2
     for name in ("repeats", "rounds", "batch", "bucket_kib"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             print(f"collectives.bench.tf_compare: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)

@@ -17,9 +17,11 @@ import logging
 import os
 from collections.abc import Mapping
 
+from collectives import logs, timeline
 from collectives.backends.base import Transport, emulated_host
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES
+from collectives.timeline import ENV_TIMELINE
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +77,11 @@ def init(
     if chosen is not None and chosen not in BACKENDS:
         raise ValueError(f"unknown backend {chosen!r}; expected one of {BACKENDS}")
     transport = _make_transport(chosen, timeout)
+    logs.configure(transport.rank)
     _emulate_nodes(transport, os.environ)
     comm = Communicator(transport, timeout=timeout, segment_bytes=segment_bytes)
+    if os.environ.get(ENV_TIMELINE):
+        timeline.synchronize_clocks(comm)  # before any trace event, so every rank's events share rank 0's clock
     if chosen is None:
         log.info("collectives: no MPI launch, TF_CONFIG or launcher found; running as a single rank")
     log.info(
@@ -87,8 +92,17 @@ def init(
         chosen or "threads",
         comm.topology.num_nodes,
     )
+    log.info(
+        "collectives: %d node(s): %s",
+        comm.topology.num_nodes,
+        "; ".join(f"{host}: ranks {list(ranks)}" for host, ranks in zip(_node_hosts(comm), comm.topology.nodes)),
+    )
     _default = comm
     return comm
+
+
+def _node_hosts(comm: Communicator) -> list[str]:
+    return [comm.topology.hosts[ranks[0]] for ranks in comm.topology.nodes]
 
 
 def default_communicator() -> Communicator:

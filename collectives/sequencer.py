@@ -174,6 +174,8 @@ class Sequencer:
             if (refusal := self._refusal()) is not None:
                 raise refusal
             task = _Task(next(self._sequence), header, run, work)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("rank %d: #%d %s", self._transport.rank, task.seq, header.decode(errors="replace"))
             if self._blocking_call.active and task.seq == self._next_to_run:
                 work._run_here = functools.partial(self._execute, task)
             else:

@@ -34,9 +34,9 @@ _EXPORTS = {
     "Compression": ".compression",
     "Compressor": ".compression",
     "FP16Compressor": ".compression",
-    "Timeline": ".timeline",
-    "hidden_fraction": ".timeline",
-    "load_trace": ".timeline",
+    "Timeline": "collectives.timeline",
+    "hidden_fraction": "collectives.timeline",
+    "load_trace": "collectives.timeline",
 }
 
 __all__ = sorted(_EXPORTS)

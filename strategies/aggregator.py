@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator
+from collectives.timeline import Timeline
 
 from ._tensorflow import as_array, as_tensor, communicator, tensorflow
 from .buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from .compression import Compression, Compressor
 from .exchange import BucketExchange
 from .fingerprint import check_same_everywhere, describe
-from .timeline import Timeline
 from .uneven import allgather_rows
 
 log = logging.getLogger(__name__)
@@ -96,11 +96,7 @@ class GradientAggregator:
     def timeline(self) -> Timeline | None:
         """The trace being written, if any (created on first use, one file per rank)."""
         if self._timeline is None:
-            comm = self.comm
-            if self._timeline_path is not None:
-                self._timeline = Timeline(self._timeline_path, comm.rank, comm.size)
-            else:
-                self._timeline = Timeline.from_environment(comm.rank, comm.size)
+            self._timeline = Timeline.for_communicator(self._timeline_path, self.comm)
         return self._timeline
 
     def aggregate(self, gradients: Sequence[Any], variables: Sequence[Any] | None = None) -> list[Any]:

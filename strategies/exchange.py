@@ -19,11 +19,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from collectives import Communicator, Work
+from collectives.timeline import COMMUNICATION, Timeline
 
 from ._tensorflow import aligned_empty
 from .buckets import Bucket
 from .compression import Compressor
-from .timeline import COMMUNICATION, Timeline
 
 
 class BucketExchange:

@@ -27,13 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from collectives import Communicator
+from collectives.timeline import BACKPROP
 
 from ._tensorflow import as_array, tensorflow
 from .aggregator import GradientAggregator
 from .buckets import DEFAULT_BUCKET_BYTES
 from .compression import Compressor
 from .hooks import GradientHooks, hookable
-from .timeline import BACKPROP
 
 
 class DistributedGradientTape:

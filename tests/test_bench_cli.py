@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import pickle
+import re
 import sys
 
 import numpy as np
@@ -232,11 +234,23 @@ def test_plot_files_are_pngs(tmp_path) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plotting_without_matplotlib_names_the_extra(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("command", [["scaling", "--simulate-up-to", "0"], ["-b", "4K", "-e", "4K", "-n", "2"]])
+def test_plotting_without_matplotlib_is_refused_before_measuring(command, tmp_path, monkeypatch, capsys) -> None:
+    """One line naming the extra, before any measurement (it used to come after the whole sweep)."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` then raises ImportError
-    with pytest.raises(BackendUnavailableError, match=r"'matplotlib'.*\[bench\]"):
-        main(["scaling", "--simulate-up-to", "0", "--plot", str(tmp_path / "scaling.png")])
-    assert not (tmp_path / "scaling.png").exists()
+    assert main([*command, "--plot", str(tmp_path / "plot.png")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no table: nothing was measured
+    assert re.fullmatch(r"python -m bench: error: --plot needs matplotlib: .*'matplotlib'.*\[bench\].*\n", captured.err)
+    assert not (tmp_path / "plot.png").exists()
+
+
+def test_unavailable_backend_errors_survive_pickling() -> None:
+    """A worker process's error reaches the parent as itself, not as a TypeError."""
+    error = pickle.loads(pickle.dumps(BackendUnavailableError("plots", "matplotlib", "bench")))
+    assert isinstance(error, BackendUnavailableError)
+    assert (error.backend, error.module, error.extra) == ("plots", "matplotlib", "bench")
+    assert "pip install -e '.[bench]'" in str(error)
 
 
 def test_explain_puts_the_model_beside_the_measurement_and_auto_beside_the_fastest(capsys) -> None:

@@ -1,11 +1,10 @@
-"""strategies/: buckets, compression, fingerprints, the exchange, the timeline (no TensorFlow
+"""strategies/: buckets, compression, fingerprints, the exchange (no TensorFlow
 needed), the TensorFlow API on the threads backend, and whole training runs in real processes
 over gRPC (launcher) and MPI (mpiexec)."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,8 +19,8 @@ from collectives.strategies.buckets import plan_buckets
 from collectives.strategies.compression import Compression
 from collectives.strategies.exchange import BucketExchange
 from collectives.strategies.fingerprint import check_same_everywhere
-from collectives.strategies.timeline import Timeline, hidden_fraction, load_trace, rank_path
 from collectives.strategies.uneven import allgather_rows
+from collectives.timeline import load_trace
 
 HAS_TF = importlib.util.find_spec("tensorflow") is not None
 needs_tf = pytest.mark.skipif(not HAS_TF, reason="tensorflow not installed (.[tf])")
@@ -129,25 +128,6 @@ def test_exchange_sends_zeros_for_missing_gradients_and_refuses_duplicates_and_w
     for result in run_threads(body, 2, timeout=20):
         np.testing.assert_array_equal(result[0], [1, 1])
         np.testing.assert_array_equal(result[1], [0, 0])
-
-
-# -- timeline ---------------------------------------------------------------------------------------
-
-
-def test_timeline_files_are_per_rank_readable_unclosed_and_measure_hidden_communication(tmp_path: Path) -> None:
-    assert rank_path("t.json", 0, 1) == "t.json"
-    assert rank_path("t.json", 2, 4) == "t.rank2.json"
-    assert rank_path("t-{rank}.json", 3, 4) == "t-3.json"
-    timeline = Timeline(tmp_path / "trace.json", rank=1, size=2)
-    origin = timeline._origin
-    timeline.record("backprop", "backprop", origin + 0.0, origin + 0.010, step=1)
-    timeline.record("bucket 0", "communication", origin + 0.006, origin + 0.014, step=1)
-    timeline.record("bucket 1", "communication", origin + 0.014, origin + 0.016, step=1)
-    events = load_trace(tmp_path / "trace.rank1.json")
-    assert [e["name"] for e in events] == ["backprop", "bucket 0", "bucket 1"]
-    assert events == json.loads(json.dumps(timeline.events))
-    assert hidden_fraction(events) == pytest.approx(0.4)  # 4 ms of 10 ms overlapped
-    assert hidden_fraction(events, step=2) == 0.0
 
 
 # -- TensorFlow on the threads backend --------------------------------------------------------------
@@ -259,8 +239,8 @@ def test_eager_hooks_hand_gradients_over_during_backprop(tmp_path: Path) -> None
         assert handed_over == variables
     for rank in range(2):
         events = load_trace(tmp_path / f"trace-{rank}.json")
-        backprop = next(e for e in events if e["cat"] == "backprop" and e["args"]["step"] == 3)
-        first = next(e for e in events if e["name"] == "bucket 0" and e["args"]["step"] == 3)
+        backprop = next(e for e in events if e.get("cat") == "backprop" and e["args"]["step"] == 3)
+        first = next(e for e in events if e["name"] == "bucket 0" and e["args"].get("step") == 3)
         assert first["ts"] < backprop["ts"] + backprop["dur"]
 
 

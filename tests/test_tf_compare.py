@@ -29,6 +29,7 @@ from collectives.bench.tf_compare import (
     train_table,
     worker_command,
 )
+from collectives.bench.tf_compare import main as tf_compare_main
 from collectives.bench.tf_workers import WorkerConfig
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -168,3 +169,12 @@ def test_end_to_end_smoke(tmp_path: Path) -> None:
         assert summary["error"] is None and summary["wrong"] == 0
         assert summary["allreduce"]["function"]["4096"] > 0
         assert all(summary["in_sync"].values())
+
+
+def test_missing_tensorflow_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Without TensorFlow: one line naming the extra, before any worker starts (not a traceback per group)."""
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    assert tf_compare_main(["--rounds", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "collectives.bench.tf_compare needs TensorFlow: pip install -e '.[tf]'\n"

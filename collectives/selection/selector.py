@@ -13,12 +13,15 @@ Choices are cached per exact size: after the first call of a size, `choose` is a
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from collectives.algorithms.registry import auto_candidates, predict
 from collectives.core.topology import LinkCosts, Topology
+
+log = logging.getLogger(__name__)
 
 _CACHE_LIMIT = 4096
 
@@ -101,6 +104,8 @@ class Selector:
         self.tuning = tuning
         self.candidates = auto_candidates(topology)
         self._chosen: dict[int, str] = {}
+        self._announced: set[tuple[int, str]] = set()
+        """(size class, algorithm) pairs already logged at INFO, so each new choice is logged once."""
 
     def predictions(self, nbytes: int) -> dict[str, float]:
         """Model seconds of every candidate at `nbytes`."""
@@ -119,10 +124,26 @@ class Selector:
         if choice is None:
             times = self.corrected(nbytes)
             choice = min(self.candidates, key=times.__getitem__)
+            self._announce(nbytes, choice, times)
             if len(self._chosen) >= _CACHE_LIMIT:
                 self._chosen.clear()
             self._chosen[nbytes] = choice
         return choice
+
+    def _announce(self, nbytes: int, choice: str, times: Mapping[str, float]) -> None:
+        """Log at INFO the first choice of `choice` for `nbytes`'s power-of-two size class."""
+        size_class = max(nbytes - 1, 0).bit_length()
+        if (size_class, choice) in self._announced or not log.isEnabledFor(logging.INFO):
+            return
+        self._announced.add((size_class, choice))
+        others = ", ".join(f"{a} {t * 1e6:.0f} us" for a, t in sorted(times.items(), key=lambda item: item[1]))
+        log.info(
+            "auto: all-reduce of %d bytes (size class <= 2^%d) -> %s (predicted %s)",
+            nbytes,
+            size_class,
+            choice,
+            others,
+        )
 
     def explain(self, nbytes: int) -> Explanation:
         return Explanation(
