@@ -102,20 +102,25 @@ def grouped_allreduce(
 
 
 def fused_allreduce(comm: Communicator, arrays: Sequence[np.ndarray], op: str | ReduceOp) -> list[np.ndarray]:
-    """`arrays` all-reduced with one all-reduce per dtype (dtypes in order of first appearance)."""
+    """`arrays` all-reduced with one all-reduce per dtype."""
+    return fused_by_dtype(arrays, lambda flat: announced_allreduce(comm, flat, op, out=flat))
+
+
+def fused_by_dtype(arrays: Sequence[np.ndarray], collective: Callable[[np.ndarray], np.ndarray]) -> list[np.ndarray]:
+    """`collective` applied once per dtype to the concatenation of `arrays` of that dtype (dtypes in
+    order of first appearance), its result cut back into arrays of their shapes."""
     by_dtype: dict[np.dtype, list[int]] = {}
     for index, array in enumerate(arrays):
         by_dtype.setdefault(np.dtype(array.dtype), []).append(index)
     results: list[np.ndarray] = [np.empty(0)] * len(arrays)
     for dtype, indices in by_dtype.items():
-        sizes = [int(np.size(arrays[i])) for i in indices]
-        fused = aligned_empty((sum(sizes),), dtype)
-        offsets = np.cumsum([0, *sizes])
+        offsets = np.cumsum([0, *(np.size(arrays[i]) for i in indices)])
+        fused = aligned_empty((int(offsets[-1]),), dtype)
         for i, lo, hi in zip(indices, offsets[:-1], offsets[1:]):
             fused[lo:hi] = np.reshape(arrays[i], -1)
-        announced_allreduce(comm, fused, op, out=fused)
+        combined = collective(fused)
         for i, lo, hi in zip(indices, offsets[:-1], offsets[1:]):
-            results[i] = fused[lo:hi].reshape(np.shape(arrays[i]))
+            results[i] = combined[lo:hi].reshape(np.shape(arrays[i]))
     return results
 
 
@@ -266,22 +271,10 @@ def broadcast_variables(variables: Sequence[Any], root: int = 0, comm: Communica
     if comm.size == 1 or not variables:
         return
     entries = tuple(describe(variable_name(v), tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables)
-    by_dtype: dict[str, list[int]] = {}
-    for index, variable in enumerate(variables):
-        by_dtype.setdefault(tf.as_dtype(variable.dtype).name, []).append(index)
 
     def exchange(*values: np.ndarray) -> list[np.ndarray]:
         check_same_everywhere(comm, entries, "variables to broadcast (name, shape, dtype, in order)")
-        results: list[np.ndarray] = [None] * len(values)  # type: ignore[list-item]
-        for indices in by_dtype.values():
-            flat = np.concatenate([np.asarray(values[i]).reshape(-1) for i in indices])
-            received = comm.broadcast(flat, root=root)
-            offset = 0
-            for i in indices:
-                count = int(np.prod(values[i].shape))
-                results[i] = received[offset : offset + count].reshape(values[i].shape)
-                offset += count
-        return results
+        return fused_by_dtype(values, lambda flat: comm.broadcast(flat, root=root, out=flat))
 
     values = [tf.convert_to_tensor(v) for v in variables]
     if tf.executing_eagerly():
