@@ -58,6 +58,9 @@ algorithm, digest; int64 words."""
 def join(comm: Communicator | None = None) -> int:
     """Answer the other ranks' join-aware collectives until every rank has called `join()`.
 
+    Called eagerly, from the training loop (not inside a `tf.function`); afterwards the ranks may
+    train on (a new epoch) or, as with Horovod, broadcast the variables of the rank returned.
+
     Returns:
         The rank that joined last (the highest of those that joined in the same round), the same
         on every rank.
