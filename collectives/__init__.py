@@ -33,6 +33,7 @@ from collectives.core.ops import REDUCTION_DTYPES, ReduceOp
 from collectives.core.topology import Topology
 from collectives.runner import run_threads
 from collectives.sequencer import Work
+from collectives.world import cross_rank, cross_size, local_rank, local_size, rank, size
 
 __all__ = [
     "BackendUnavailableError",
@@ -50,7 +51,13 @@ __all__ = [
     "Work",
     "__version__",
     "allreduce_algorithms",
+    "cross_rank",
+    "cross_size",
     "default_communicator",
     "init",
+    "local_rank",
+    "local_size",
+    "rank",
     "run_threads",
+    "size",
 ]

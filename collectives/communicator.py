@@ -29,6 +29,7 @@ import numpy as np
 
 from collectives._version import __version__
 from collectives.algorithms import registry
+from collectives.algorithms.alltoall import pairwise_alltoall_steps
 from collectives.algorithms.barrier import dissemination_barrier_steps
 from collectives.algorithms.ring import ring_allgather_steps, ring_reduce_scatter_steps
 from collectives.algorithms.tree import tree_broadcast_steps
@@ -127,6 +128,18 @@ class Communicator:
     @property
     def local_size(self) -> int:
         return self.topology.local_size(self.rank)
+
+    @property
+    def cross_rank(self) -> int:
+        """Position of this rank among the ranks with its `local_rank` (Horovod's cross rank: the
+        node index when every node runs the same number of ranks)."""
+        return self.topology.cross_rank(self.rank)
+
+    @property
+    def cross_size(self) -> int:
+        """Number of ranks with this rank's `local_rank` (Horovod's cross size: the number of nodes
+        when every node runs the same number of ranks)."""
+        return self.topology.cross_size(self.rank)
 
     @property
     def algorithms(self) -> tuple[str, ...]:
@@ -329,6 +342,59 @@ class Communicator:
             return completed_work(None)
         return self._sequencer.submit(b"barrier", lambda group: drive(group, dissemination_barrier_steps(group)))
 
+    def alltoall(self, x: Any, send_counts: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Send rows of `x` to every rank and receive theirs (pairwise exchange).
+
+        The first `send_counts[0]` rows of `x` go to rank 0, the next `send_counts[1]` to rank 1,
+        and so on; the counts may differ on every rank. The ranks first exchange their counts, so
+        every receiver knows how many rows come from whom.
+
+        Args:
+            x: array with at least one dimension; the other dimensions and the dtype must agree on
+                every rank.
+            send_counts: `size` non-negative ints summing to `x.shape[0]`; None splits the rows
+                evenly, which needs `x.shape[0]` divisible by `size`.
+
+        Returns:
+            (the received rows concatenated in rank order, the row count received from each rank
+            as an int64 array of length `size`).
+        """
+        with self._sequencer.blocking_call():
+            work = self.alltoall_async(x, send_counts)
+        return work.wait()
+
+    def alltoall_async(self, x: Any, send_counts: Any = None) -> Work:
+        """Start `alltoall`; returns a `Work` whose result is (received rows, received counts)."""
+        src = transfer_input(x)
+        if src.ndim == 0:
+            raise ValueError(f"rank {self.rank}: alltoall needs an array with at least one dimension to split")
+        counts = alltoall_counts(send_counts, src.shape[0], self.rank, self.size)
+        row_shape = src.shape[1:]
+        row_items = math.prod(row_shape)
+        flat = flat_view(src)
+        if self.size == 1:
+            return completed_work((flat.copy().reshape(src.shape), counts))
+        size, rank = self.size, self.rank
+
+        def run(group: Group) -> tuple[np.ndarray, np.ndarray]:
+            tags = group.tags.allocator()
+            count_group = group.subgroup(range(size), tags.take("row counts"))
+            table = np.zeros(size * size, dtype=np.int64)
+            table[rank * size : (rank + 1) * size] = counts
+            drive(count_group, ring_allgather_steps(count_group, table, [r * size for r in range(size + 1)]))
+            received = np.ascontiguousarray(table.reshape(size, size)[:, rank])
+            result = np.empty((int(received.sum()), *row_shape), dtype=src.dtype)
+            send_bounds = [0, *np.cumsum(counts * row_items).tolist()]
+            receive_bounds = [0, *np.cumsum(received * row_items).tolist()]
+            data_group = group.subgroup(range(size), tags.rest())
+            drive(
+                data_group, pairwise_alltoall_steps(data_group, flat, send_bounds, result.reshape(-1), receive_bounds)
+            )
+            return result, received
+
+        header = f"alltoall algorithm=pairwise dtype={src.dtype} row_shape={row_shape}".encode()
+        return self._sequencer.submit(header, run)
+
     # -- algorithm selection ----------------------------------------------------------------------
 
     def explain(self, nbytes: int) -> Explanation:
@@ -415,6 +481,32 @@ class Communicator:
         if self._work_space.nbytes < like.nbytes:
             self._work_space = np.empty(like.nbytes, dtype=np.uint8)
         return self._work_space[: like.nbytes].view(like.dtype)
+
+
+def alltoall_counts(send_counts: Any, rows: int, rank: int, size: int) -> np.ndarray:
+    """The rows `rank` sends to each rank, as an int64 array: `send_counts` checked, or an even split.
+
+    Raises:
+        ValueError: the counts are not `size` non-negative integers summing to `rows`, or (with
+            None) `rows` is not divisible by `size`.
+    """
+    if send_counts is None:
+        if rows % size:
+            raise ValueError(
+                f"rank {rank}: alltoall without send counts splits the first dimension evenly, but "
+                f"{rows} rows do not divide among {size} ranks; pass send counts"
+            )
+        return np.full(size, rows // size, dtype=np.int64)
+    counts = np.asarray(send_counts)
+    if counts.shape != (size,) or counts.dtype.kind not in "iu":
+        raise ValueError(f"rank {rank}: send counts must be {size} integers (one per rank), got {send_counts!r}")
+    counts = counts.astype(np.int64)
+    if (counts < 0).any() or int(counts.sum()) != rows:
+        raise ValueError(
+            f"rank {rank}: send counts must be non-negative and sum to the {rows} rows of the input, "
+            f"got {counts.tolist()}"
+        )
+    return counts
 
 
 def _exchange_hosts(group: Group, host: str) -> tuple[str, ...]:

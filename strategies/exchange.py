@@ -24,6 +24,7 @@ from collectives.timeline import COMMUNICATION, Timeline
 from ._tensorflow import aligned_empty
 from .buckets import Bucket
 from .compression import Compressor
+from .joining import announced_allreduce_async
 
 
 class BucketExchange:
@@ -118,7 +119,7 @@ class BucketExchange:
         while self._next < len(self.buckets) and self._missing[self._next] == 0:
             wire, self._contexts[self._next] = self.compressor.compress(self._buffers[self._next])
             result = aligned_empty(wire.shape, wire.dtype)  # fresh each step: tensors may share it
-            self._works[self._next] = self.comm.allreduce_async(wire, out=result)
+            self._works[self._next] = announced_allreduce_async(self.comm, wire, out=result)
             self._next += 1
 
     def _reset(self) -> None:

@@ -1,11 +1,17 @@
-"""Collectives on TensorFlow tensors and variables: `allreduce`, `allgather`, `broadcast`,
-`broadcast_variables`.
+"""Collectives on TensorFlow tensors and variables: `allreduce`, `grouped_allreduce`, `allgather`,
+`broadcast`, `alltoall`, `reduce_scatter`, `broadcast_variables`, with Horovod's semantics.
 
 Eagerly, a tensor is handed to the communicator as the numpy array that shares its memory, and
 the result, written into 64-byte aligned memory, becomes a tensor without a copy. Inside
 `tf.function` each call becomes one stateful `tf.numpy_function` op; TensorFlow runs stateful ops
 in program order, so every rank issues its collectives in the order the code calls them, which the
 communicator requires.
+
+`allreduce`, `grouped_allreduce`, `allgather` and `broadcast` have gradients, as Horovod's, so they
+can sit inside a differentiated model: the gradient of an all-reduce is the all-reduce of the
+incoming gradients with the same op (sum or mean); of an all-gather, the sum over ranks of the
+incoming gradient, of which each rank keeps its own rows; of a broadcast, the sum over ranks on the
+root and zeros elsewhere. `allreduce` and `grouped_allreduce` are join-aware (see `joining`).
 
 A collective op occupies one of TensorFlow's inter-op threads until every rank has joined it. With
 one rank per process (the normal case) that is harmless; ranks that are threads of one process
@@ -21,49 +27,232 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator
+from collectives.core.layout import even_bounds
+from collectives.core.ops import ReduceOp
 
 from ._tensorflow import aligned_empty, as_array, as_tensor, communicator, tensorflow
 from .aggregator import variable_name
 from .fingerprint import check_same_everywhere, describe
+from .joining import announced_allreduce
 from .uneven import allgather_rows
 
+AVERAGE = "average"
+"""Horovod's name for the op this library calls "mean"; the ops here accept both."""
 
-def allreduce(tensor: Any, op: str = "sum", comm: Communicator | None = None, *, algorithm: str = "auto") -> Any:
-    """`tensor` reduced over all ranks with `op` (sum, mean, max, min, prod); same shape and dtype."""
+
+def allreduce(
+    tensor: Any, op: str | ReduceOp = "sum", comm: Communicator | None = None, *, algorithm: str = "auto"
+) -> Any:
+    """`tensor` reduced over all ranks with `op` (sum, mean or average, max, min, prod); same shape
+    and dtype. Differentiable for sum and mean."""
     tf = tensorflow()
     comm = communicator(comm)
+    op = reduce_op(op)
     tensor = tf.convert_to_tensor(tensor)
-    return _apply(
-        tf,
-        lambda a: comm.allreduce(a, op=op, algorithm=algorithm, out=aligned_empty(a.shape, a.dtype)),
-        tensor,
-        tensor.shape,
-        "collectives_allreduce",
-    )
+
+    @tf.custom_gradient
+    def reduced(x: Any) -> Any:
+        def reduce(a: np.ndarray) -> np.ndarray:
+            return announced_allreduce(comm, a, op, algorithm, out=aligned_empty(a.shape, a.dtype))
+
+        result = _apply(tf, reduce, x, x.shape, "collectives_allreduce")
+
+        def gradient(upstream: Any) -> Any:
+            return allreduce(_after(tf, result, upstream), _differentiable(op), comm, algorithm=algorithm)
+
+        return result, gradient
+
+    return reduced(tensor)
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any], op: str | ReduceOp = "sum", comm: Communicator | None = None
+) -> list[Any]:
+    """Every tensor of `tensors` reduced over all ranks with `op`, in one exchange per dtype: the
+    tensors of a dtype travel fused in one buffer, so many small tensors cost one all-reduce's
+    latency instead of one each. Elementwise the same reduction as separate `allreduce` calls.
+    Differentiable for sum and mean."""
+    tf = tensorflow()
+    comm = communicator(comm)
+    op = reduce_op(op)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+
+    @tf.custom_gradient
+    def reduced(*xs: Any) -> Any:
+        def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
+            return fused_allreduce(comm, arrays, op)
+
+        if tf.executing_eagerly():
+            results = [as_tensor(r) for r in reduce(*(as_array(x) for x in xs))]
+        else:
+            results = tf.numpy_function(
+                reduce, list(xs), [x.dtype for x in xs], stateful=True, name="collectives_grouped_allreduce"
+            )
+            for result, x in zip(results, xs):
+                result.set_shape(x.shape)
+
+        def gradient(*upstream: Any) -> list[Any]:
+            return grouped_allreduce([_after(tf, results, u) for u in upstream], _differentiable(op), comm)
+
+        return list(results), gradient
+
+    return list(reduced(*tensors))
+
+
+def fused_allreduce(comm: Communicator, arrays: Sequence[np.ndarray], op: str | ReduceOp) -> list[np.ndarray]:
+    """`arrays` all-reduced with one all-reduce per dtype."""
+    return fused_by_dtype(arrays, lambda flat: announced_allreduce(comm, flat, op, out=flat))
+
+
+def fused_by_dtype(arrays: Sequence[np.ndarray], collective: Callable[[np.ndarray], np.ndarray]) -> list[np.ndarray]:
+    """`collective` applied once per dtype to the concatenation of `arrays` of that dtype (dtypes in
+    order of first appearance), its result cut back into arrays of their shapes."""
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for index, array in enumerate(arrays):
+        by_dtype.setdefault(np.dtype(array.dtype), []).append(index)
+    results: list[np.ndarray] = [np.empty(0)] * len(arrays)
+    for dtype, indices in by_dtype.items():
+        offsets = np.cumsum([0, *(np.size(arrays[i]) for i in indices)])
+        fused = aligned_empty((int(offsets[-1]),), dtype)
+        for i, lo, hi in zip(indices, offsets[:-1], offsets[1:]):
+            fused[lo:hi] = np.reshape(arrays[i], -1)
+        combined = collective(fused)
+        for i, lo, hi in zip(indices, offsets[:-1], offsets[1:]):
+            results[i] = combined[lo:hi].reshape(np.shape(arrays[i]))
+    return results
 
 
 def allgather(tensor: Any, comm: Communicator | None = None) -> Any:
     """Every rank's `tensor` concatenated along the first axis in rank order (the first dimension
-    may differ between ranks, as with Horovod's allgather)."""
+    may differ between ranks, as with Horovod's allgather). Differentiable."""
     tf = tensorflow()
     comm = communicator(comm)
     tensor = tf.convert_to_tensor(tensor)
     shape = [None, *tensor.shape[1:]] if tensor.shape.rank else [None]
-    return _apply(tf, lambda a: allgather_rows(comm, a), tensor, shape, "collectives_allgather")
+
+    @tf.custom_gradient
+    def gathered(x: Any) -> Any:
+        result = _apply(tf, lambda a: allgather_rows(comm, a), x, shape, "collectives_allgather")
+
+        def gradient(upstream: Any) -> Any:
+            summed = allreduce(_after(tf, result, upstream), "sum", comm)
+            rows = tf.shape(x)[:1] if x.shape.rank else tf.ones([1], tf.int32)
+            counts = allgather(rows, comm)
+            start = tf.reduce_sum(counts[: comm.rank])
+            return tf.reshape(summed[start : start + counts[comm.rank]], tf.shape(x))
+
+        return result, gradient
+
+    return gathered(tensor)
 
 
 def broadcast(tensor: Any, root: int = 0, comm: Communicator | None = None) -> Any:
-    """Rank `root`'s `tensor`, on every rank."""
+    """Rank `root`'s `tensor`, on every rank. Differentiable: the root receives the sum of every
+    rank's gradient, the other ranks zeros."""
     tf = tensorflow()
     comm = communicator(comm)
     tensor = tf.convert_to_tensor(tensor)
-    return _apply(
-        tf,
-        lambda a: comm.broadcast(a, root=root, out=aligned_empty(a.shape, a.dtype)),
-        tensor,
-        tensor.shape,
-        "collectives_broadcast",
+
+    @tf.custom_gradient
+    def broadcasted(x: Any) -> Any:
+        def copy_from_root(a: np.ndarray) -> np.ndarray:
+            return comm.broadcast(a, root=root, out=aligned_empty(a.shape, a.dtype))
+
+        result = _apply(tf, copy_from_root, x, x.shape, "collectives_broadcast")
+
+        def gradient(upstream: Any) -> Any:
+            summed = allreduce(_after(tf, result, upstream), "sum", comm)
+            return summed if comm.rank == root else tf.zeros_like(summed)
+
+        return result, gradient
+
+    return broadcasted(tensor)
+
+
+def alltoall(tensor: Any, splits: Any = None, comm: Communicator | None = None) -> tuple[Any, Any]:
+    """Send rows of `tensor` to every rank and receive theirs, as Horovod's `alltoall`.
+
+    Args:
+        tensor: at least one dimension; the other dimensions and the dtype agree on every rank.
+        splits: `size` integers (list or tensor) summing to the first dimension: the first
+            `splits[0]` rows go to rank 0, and so on; may differ on every rank. None splits evenly,
+            which needs the first dimension divisible by `size` (a ValueError naming the rank).
+
+    Returns:
+        (the received rows concatenated in rank order, the int32 row counts received from each rank).
+    """
+    tf = tensorflow()
+    comm = communicator(comm)
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError(f"rank {comm.rank}: alltoall needs a tensor with at least one dimension to split")
+    if splits is None:
+        if tensor.shape[0] is not None and tensor.shape[0] % comm.size:
+            raise ValueError(
+                f"rank {comm.rank}: alltoall without splits splits the first dimension evenly, but "
+                f"{tensor.shape[0]} rows do not divide among {comm.size} ranks; pass splits"
+            )
+        splits = tf.fill([comm.size], tf.shape(tensor, out_type=tf.int64)[0] // comm.size)
+    splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
+
+    def exchange(a: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        received, received_counts = comm.alltoall(a, counts)
+        return received, received_counts.astype(np.int32)
+
+    if tf.executing_eagerly():
+        received, received_counts = exchange(as_array(tensor), as_array(splits))
+        return as_tensor(received), tf.convert_to_tensor(received_counts)
+    received, received_counts = tf.numpy_function(
+        exchange, [tensor, splits], [tensor.dtype, tf.int32], stateful=True, name="collectives_alltoall"
     )
+    received.set_shape([None, *tensor.shape[1:]])
+    received_counts.set_shape([comm.size])
+    return received, received_counts
+
+
+def reduce_scatter(tensor: Any, op: str | ReduceOp = "sum", comm: Communicator | None = None) -> Any:
+    """`tensor` reduced over all ranks with `op`, of which this rank keeps its block of rows: the
+    first dimension split as evenly as possible, the first ranks getting one row more (Horovod's
+    layout)."""
+    tf = tensorflow()
+    comm = communicator(comm)
+    op = reduce_op(op)
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError(f"rank {comm.rank}: reduce_scatter needs a tensor with at least one dimension to split")
+    rows = None
+    if tensor.shape[0] is not None:
+        bounds = even_bounds(tensor.shape[0], comm.size)
+        rows = bounds[comm.rank + 1] - bounds[comm.rank]
+
+    def scatter(a: np.ndarray) -> np.ndarray:
+        return comm.reduce_scatter(a, op)
+
+    return _apply(tf, scatter, tensor, [rows, *tensor.shape[1:]], "collectives_reduce_scatter")
+
+
+def reduce_op(op: str | ReduceOp) -> ReduceOp:
+    """`op` parsed, Horovod's "average" meaning "mean"."""
+    return ReduceOp.MEAN if isinstance(op, str) and op.lower() == AVERAGE else ReduceOp.parse(op)
+
+
+def _after(tf, forward: Any, upstream: Any) -> Any:
+    """`upstream`, available only once `forward` (a collective's result) is: a gradient's collective
+    may not depend on its forward collective's output (d sum(w * y) / dy = w), and without this
+    TensorFlow could run it first on one rank and second on another."""
+    if tf.executing_eagerly():
+        return upstream
+    with tf.control_dependencies(tf.nest.flatten(forward)):
+        return tf.identity(upstream)
+
+
+def _differentiable(op: ReduceOp) -> ReduceOp:
+    """The op whose all-reduce is the gradient of an all-reduce with `op` (itself), or a ValueError."""
+    if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+        raise ValueError(f"an all-reduce with op {op.value!r} has no gradient; only sum and mean (average) do")
+    return op
 
 
 def broadcast_variables(variables: Sequence[Any], root: int = 0, comm: Communicator | None = None) -> None:
@@ -82,22 +271,10 @@ def broadcast_variables(variables: Sequence[Any], root: int = 0, comm: Communica
     if comm.size == 1 or not variables:
         return
     entries = tuple(describe(variable_name(v), tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables)
-    by_dtype: dict[str, list[int]] = {}
-    for index, variable in enumerate(variables):
-        by_dtype.setdefault(tf.as_dtype(variable.dtype).name, []).append(index)
 
     def exchange(*values: np.ndarray) -> list[np.ndarray]:
         check_same_everywhere(comm, entries, "variables to broadcast (name, shape, dtype, in order)")
-        results: list[np.ndarray] = [None] * len(values)  # type: ignore[list-item]
-        for indices in by_dtype.values():
-            flat = np.concatenate([np.asarray(values[i]).reshape(-1) for i in indices])
-            received = comm.broadcast(flat, root=root)
-            offset = 0
-            for i in indices:
-                count = int(np.prod(values[i].shape))
-                results[i] = received[offset : offset + count].reshape(values[i].shape)
-                offset += count
-        return results
+        return fused_by_dtype(values, lambda flat: comm.broadcast(flat, root=root, out=flat))
 
     values = [tf.convert_to_tensor(v) for v in variables]
     if tf.executing_eagerly():

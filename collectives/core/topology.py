@@ -60,6 +60,18 @@ class Topology:
         """Number of ranks on the node of `rank`."""
         return len(self.nodes[self.node_of(rank)])
 
+    def cross_rank(self, rank: int) -> int:
+        """Position of `rank` among the ranks with the same local rank, in rank order (Horovod's
+        cross rank)."""
+        local = self.local_rank(rank)
+        return sum(1 for ranks in self.nodes if len(ranks) > local and ranks[local] < rank)
+
+    def cross_size(self, rank: int) -> int:
+        """Number of ranks with the same local rank as `rank`, one per node that has that many
+        ranks (Horovod's cross size)."""
+        local = self.local_rank(rank)
+        return sum(1 for ranks in self.nodes if len(ranks) > local)
+
     @property
     def is_hierarchical(self) -> bool:
         """Several nodes, and at least one of them with several ranks."""

@@ -1,0 +1,55 @@
+"""`broadcast_object` and `allgather_object`: any picklable Python object, as Horovod's.
+
+Objects travel as their pickled bytes, whose length differs between ranks, so the lengths travel
+first: broadcast the root's length, then its bytes; all-gather every rank's bytes with
+`uneven.allgather_rows`, which gathers the lengths and then the bytes padded to the longest, each
+rank's bytes framed by their length. Pickle runs arbitrary code when loading, so these are for
+ranks of one job that trust each other, as the rest of the communication is.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from collectives import Communicator
+
+from ._tensorflow import communicator
+from .uneven import allgather_rows
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, comm: Communicator | None = None) -> Any:
+    """Rank `root_rank`'s `obj` on every rank (the others' `obj` is ignored; pass None there)."""
+    comm = communicator(comm)
+    if comm.size == 1:
+        return obj
+    payload = _pickled(obj, comm.rank) if comm.rank == root_rank else np.empty(0, dtype=np.uint8)
+    length = comm.broadcast(np.array([payload.size], dtype=np.int64), root=root_rank)
+    if comm.rank != root_rank:
+        payload = np.empty(int(length[0]), dtype=np.uint8)
+    return pickle.loads(comm.broadcast(payload, root=root_rank).tobytes())
+
+
+def allgather_object(obj: Any, comm: Communicator | None = None) -> list[Any]:
+    """Every rank's `obj`, as a list in rank order."""
+    comm = communicator(comm)
+    if comm.size == 1:
+        return [obj]
+    payload = _pickled(obj, comm.rank)
+    framed = np.concatenate([np.array([payload.size], dtype=np.int64).view(np.uint8), payload])
+    gathered = allgather_rows(comm, framed).tobytes()
+    objects, offset = [], 0
+    for _ in range(comm.size):  # each rank's frame: its length (8 bytes), then its bytes
+        length = int(np.frombuffer(gathered, dtype=np.int64, count=1, offset=offset)[0])
+        objects.append(pickle.loads(gathered[offset + 8 : offset + 8 + length]))
+        offset += 8 + length
+    return objects
+
+
+def _pickled(obj: Any, rank: int) -> np.ndarray:
+    try:
+        return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    except (pickle.PicklingError, TypeError, AttributeError) as error:
+        raise TypeError(f"rank {rank}: cannot pickle {type(obj).__name__} to send it: {error}") from error

@@ -1,0 +1,155 @@
+"""The Horovod-style operations: objects, join and its announcements on the threads backend (no
+TensorFlow needed), and every tensor operation (grouped all-reduce, all-to-all, reduce-scatter,
+objects, gradients, SyncBatchNormalization, join) in real processes over gRPC (launcher) and MPI
+(mpiexec), with 2 and 4 ranks: one job per backend and size runs tests/tf_scripts/ops_check.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import test_processes
+
+import collectives
+from collectives import run_threads
+from collectives.strategies.fingerprint import check_same_everywhere
+from collectives.strategies.joining import announced_allreduce, join
+from collectives.strategies.objects import allgather_object, broadcast_object
+
+HAS_TF = importlib.util.find_spec("tensorflow") is not None
+OPS_CHECK = str(Path(__file__).with_name("tf_scripts") / "ops_check.py")
+CHECKS = ["grouped_allreduce", "alltoall", "reduce_scatter", "objects", "gradients", "sync_batch_norm", "join"]
+
+
+# -- objects ----------------------------------------------------------------------------------------
+
+
+def _object_of(rank: int) -> dict:
+    return {"rank": rank, "text": "y" * (rank * 777), "nested": [np.arange(rank), {rank: (rank,)}]}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_objects_of_different_sizes_reach_every_rank(world_size: int) -> None:
+    root = world_size - 1
+
+    def body(comm: collectives.Communicator) -> tuple[list, dict]:
+        mine = _object_of(comm.rank)
+        return allgather_object(mine, comm), broadcast_object(mine if comm.rank == root else None, root, comm)
+
+    for gathered, broadcast in run_threads(body, world_size, timeout=20):
+        assert [g["text"] for g in gathered] == [_object_of(r)["text"] for r in range(world_size)]
+        np.testing.assert_array_equal(gathered[-1]["nested"][0], np.arange(world_size - 1))
+        assert broadcast["rank"] == root and broadcast["text"] == _object_of(root)["text"]
+
+
+def test_an_unpicklable_object_is_a_type_error_naming_the_rank() -> None:
+    def body(comm: collectives.Communicator) -> None:
+        with pytest.raises(TypeError, match=f"rank {comm.rank}: cannot pickle"):
+            allgather_object(lambda: None, comm)
+
+    run_threads(body, 2, timeout=20)
+
+
+# -- join -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batches", [(3, 5, 0, 5), (2, 0), (0, 0, 0), (4, 1, 4)])
+def test_joined_ranks_answer_all_reduces_until_every_rank_joined(batches: tuple[int, ...]) -> None:
+    """Each rank runs one all-reduce per batch it holds (sum, mean, max, min, prod in turn), then
+    joins; joined ranks contribute the op's identity, mean divides by every rank (as Horovod)."""
+    ops = ["sum", "mean", "max", "min", "prod"]
+
+    def body(comm: collectives.Communicator) -> tuple[list[np.ndarray], int]:
+        results = []
+        for step in range(batches[comm.rank]):
+            mine = np.array([comm.rank + 2.0, -1.0 - comm.rank], dtype=np.float32)
+            results.append(announced_allreduce(comm, mine, ops[step % len(ops)]))
+        return results, join(comm)
+
+    runs = run_threads(body, len(batches), timeout=20)
+    last = max(r for r, count in enumerate(batches) if count == max(batches))
+    for rank, (results, last_joined) in enumerate(runs):
+        assert last_joined == last
+        for step, got in enumerate(results):
+            data = np.array([[r + 2.0, -1.0 - r] for r, count in enumerate(batches) if count > step])
+            op = ops[step % len(ops)]
+            reduce = {"sum": np.sum, "mean": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[op]
+            expected = reduce(data, axis=0) / (len(batches) if op == "mean" else 1)
+            np.testing.assert_allclose(got, expected.astype(np.float32), rtol=1e-6, err_msg=f"rank {rank} {op}")
+
+
+def test_join_compares_the_fingerprints_of_the_ranks_still_training_only() -> None:
+    def body(comm: collectives.Communicator) -> int:
+        if comm.rank == 1:
+            return join(comm)
+        check_same_everywhere(comm, ["a (2,) float32"])
+        announced_allreduce(comm, np.ones(3, np.int64))
+        return join(comm)
+
+    assert run_threads(body, 3, timeout=20) == [2, 2, 2]
+
+
+def test_a_collective_that_is_not_join_aware_fails_on_every_rank_instead_of_hanging() -> None:
+    def body(comm: collectives.Communicator) -> str:
+        with pytest.raises(collectives.CollectiveError) as raised:
+            if comm.rank == 0:
+                join(comm)
+            else:
+                comm.broadcast(np.zeros(4), root=1)
+        return str(raised.value)
+
+    messages = run_threads(body, 2, timeout=20)
+    assert any("broadcast" in message for message in messages), messages
+
+
+def test_ranks_still_training_must_announce_the_same_all_reduce() -> None:
+    def body(comm: collectives.Communicator) -> str:
+        with pytest.raises(collectives.CollectiveError) as raised:
+            if comm.rank == 0:
+                join(comm)
+            else:
+                announced_allreduce(comm, np.zeros(comm.rank, np.float32))
+        return str(raised.value)
+
+    messages = run_threads(body, 3, timeout=20)
+    assert "ranks 1 and 2 announced different collectives" in messages[0]
+    assert "all-reduce of 1 float32" in messages[0] and "all-reduce of 2 float32" in messages[0]
+
+
+def test_announced_allreduce_checks_its_arguments_before_sending_anything() -> None:
+    def body(comm: collectives.Communicator) -> None:
+        with pytest.raises(TypeError, match="op 'mean' needs a floating-point dtype"):
+            announced_allreduce(comm, np.ones(2, np.int64), "mean")
+        with pytest.raises(ValueError, match="unknown all-reduce algorithm 'bogus'"):
+            announced_allreduce(comm, np.ones(2), algorithm="bogus")
+        np.testing.assert_array_equal(announced_allreduce(comm, np.ones((2, 2)), algorithm="ring"), np.full((2, 2), 2))
+
+    run_threads(body, 2, timeout=20)
+
+
+# -- every tensor operation in real processes -----------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not HAS_TF or importlib.util.find_spec("grpc") is None, reason="tensorflow / grpcio not installed (.[tf,grpc])"
+)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tensor_operations_over_grpc(ranks: int, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "collectives.launch", "-n", str(ranks), OPS_CHECK, *CHECKS]
+    result = test_processes.run_job(command, {"TMPDIR": str(tmp_path)})
+    test_processes.assert_every_rank_passed(result, ranks, CHECKS)
+
+
+@pytest.mark.skipif(
+    not HAS_TF or importlib.util.find_spec("mpi4py") is None or not os.access(test_processes.MPIEXEC, os.X_OK),
+    reason="tensorflow / mpi4py / mpiexec not installed (.[tf,mpi])",
+)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tensor_operations_over_mpi(ranks: int, tmp_path: Path) -> None:
+    command = [test_processes.MPIEXEC, "-n", str(ranks), sys.executable, OPS_CHECK, *CHECKS]
+    result = test_processes.run_job(command, {"TMPDIR": str(tmp_path)})
+    test_processes.assert_every_rank_passed(result, ranks, CHECKS)
