@@ -81,6 +81,14 @@ def train(model: keras.Model, data, tape_factory, graph: bool) -> None:
         raise AssertionError(f"the training step was traced {run.experimental_get_tracing_count()} times, not once")
 
 
+def check_identical_everywhere(comm: collectives.Communicator, arrays: list[np.ndarray], case: str) -> None:
+    """Every rank holds bit-identical `arrays` (compared through a digest)."""
+    digest = np.frombuffer(hashlib.sha256(b"".join(a.tobytes() for a in arrays)).digest(), np.uint8)
+    digests = comm.allgather(digest).reshape(comm.size, -1)
+    if not (digests == digests[0]).all():
+        raise AssertionError(f"{case}: variables differ between ranks")
+
+
 class PlainTape:
     """A reusable plain tape, the single-process reference."""
 
@@ -110,10 +118,7 @@ def check_case(comm: collectives.Communicator, case: str) -> None:
         graph,
     )
     weights = [v.numpy() for v in model.trainable_variables]
-    digest = np.frombuffer(hashlib.sha256(b"".join(w.tobytes() for w in weights)).digest(), np.uint8)
-    digests = comm.allgather(digest).reshape(comm.size, -1)
-    if not (digests == digests[0]).all():
-        raise AssertionError(f"{case}: variables differ between ranks")
+    check_identical_everywhere(comm, weights, case)
     reference = build(seed=0)
     train(reference, data, PlainTape, graph)
     tolerance = 2e-3 if compression else 1e-5
