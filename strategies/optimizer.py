@@ -26,7 +26,6 @@ machines Keras's default already is False).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,8 +33,6 @@ from collectives import Communicator
 
 from .accumulation import LocalAccumulation
 from .aggregator import GradientAggregator
-from .buckets import DEFAULT_BUCKET_BYTES
-from .compression import Compressor
 
 
 def DistributedOptimizer(  # Horovod's name, although it is a function
@@ -43,13 +40,9 @@ def DistributedOptimizer(  # Horovod's name, although it is a function
     comm: Communicator | None = None,
     *,
     aggregator: GradientAggregator | None = None,
-    average: bool = True,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    compression: Compressor | None = None,
-    sparse_as_dense: bool = False,
-    timeline: str | os.PathLike | None = None,
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
+    **options: Any,
 ) -> Any:
     """A new optimizer of `optimizer`'s class and config that all-reduces gradients before applying them.
 
@@ -57,16 +50,18 @@ def DistributedOptimizer(  # Horovod's name, although it is a function
         optimizer: a Keras 3 optimizer (unbuilt, as passed to `model.compile`; its config is
             copied, its state is not).
         comm: the communicator; None means the one made by the last `collectives.init()`.
-        aggregator: share a `GradientAggregator`; otherwise one is made from the next arguments.
-        average, bucket_bytes, compression, sparse_as_dense, timeline: see `GradientAggregator`.
+        aggregator: share a `GradientAggregator`; otherwise one is made from `options`.
         backward_passes_per_step: batches whose gradients are summed locally before each exchange
             and optimizer step.
         average_aggregated_gradients: divide those sums by `backward_passes_per_step` (the step
             then uses the mean gradient of the batches instead of their sum).
+        **options: `GradientAggregator`'s (and `DistributedGradientTape`'s) options: `average`,
+            `bucket_bytes`, `compression`, `sparse_as_dense`, `timeline`.
 
     Raises:
-        TypeError: `optimizer` is not a Keras 3 optimizer, or an argument has the wrong type.
-        ValueError: `optimizer` is already distributed, or an argument is out of range.
+        TypeError: `optimizer` is not a Keras 3 optimizer, or an option is unknown or has the wrong type.
+        ValueError: `optimizer` is already distributed, both `aggregator` and options are given,
+            or an argument is out of range.
     """
     import keras
 
@@ -74,15 +69,10 @@ def DistributedOptimizer(  # Horovod's name, although it is a function
         raise TypeError(f"optimizer must be a Keras 3 optimizer (keras.optimizers.*), got {optimizer!r}")
     if isinstance(optimizer, _AllReducing):
         raise ValueError("this optimizer already all-reduces its gradients: wrap the plain optimizer, once")
+    if aggregator is not None and options:
+        raise ValueError(f"give either an aggregator or its options, not both (got {sorted(options)})")
     accumulation = LocalAccumulation(backward_passes_per_step, average_aggregated_gradients)
-    aggregator = aggregator or GradientAggregator(
-        comm,
-        average=average,
-        bucket_bytes=bucket_bytes,
-        compression=compression,
-        sparse_as_dense=sparse_as_dense,
-        timeline=timeline,
-    )
+    aggregator = aggregator or GradientAggregator(comm, **options)
     distributed = _all_reducing_class(optimizer.__class__).from_config(optimizer.get_config())
     distributed.aggregator = aggregator
     distributed.accumulation = accumulation if accumulation.passes > 1 else None

@@ -52,7 +52,7 @@ def test_distributed_optimizer_is_the_optimizers_class_with_its_config() -> None
 def test_distributed_optimizer_refuses_bad_arguments() -> None:
     import keras
 
-    from collectives.strategies import DistributedOptimizer
+    from collectives.strategies import DistributedOptimizer, GradientAggregator
 
     with pytest.raises(TypeError, match="Keras 3 optimizer"):
         DistributedOptimizer("adam")
@@ -60,6 +60,10 @@ def test_distributed_optimizer_refuses_bad_arguments() -> None:
         DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
     with pytest.raises(TypeError, match="must be an int"):
         DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2.0)
+    with pytest.raises(TypeError, match="bucket_size"):
+        DistributedOptimizer(keras.optimizers.SGD(), bucket_size=1024)
+    with pytest.raises(ValueError, match="either an aggregator or its options"):
+        DistributedOptimizer(keras.optimizers.SGD(), aggregator=GradientAggregator(), average=False)
     with pytest.raises(ValueError, match="already all-reduces"):
         DistributedOptimizer(DistributedOptimizer(keras.optimizers.SGD()))
 

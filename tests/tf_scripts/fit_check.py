@@ -26,7 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras
 import numpy as np
 import tensorflow as tf
-from train_check import BATCH_PER_RANK, batches, check_identical_everywhere, dense_model, embedding_model
+from train_check import BATCH_PER_RANK, batches, check_identical_everywhere, dense_model, embedding_model, run_cases
 
 import collectives
 from collectives.strategies import BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback
@@ -98,14 +98,5 @@ def check_case(comm: collectives.Communicator, case: str) -> None:
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5, err_msg=f"{case}: {variable.path}")
 
 
-def main(cases: list[str]) -> int:
-    comm = collectives.init(timeout=60)
-    for case in cases:
-        check_case(comm, case)
-        print(f"rank {comm.rank}: {case} ok", flush=True)
-    comm.close()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_cases(sys.argv[1:], check_case))

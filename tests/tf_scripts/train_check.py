@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -175,19 +176,24 @@ def check_overlap(comm: collectives.Communicator, graph: bool) -> None:
     )
 
 
-def main(cases: list[str]) -> int:
+def check(comm: collectives.Communicator, case: str) -> None:
+    if case == "mismatch":
+        check_mismatch(comm)
+    elif case.startswith("overlap"):
+        check_overlap(comm, graph=case == "overlap-graph")
+    else:
+        check_case(comm, case)
+
+
+def run_cases(cases: list[str], check: Callable[[collectives.Communicator, str], None]) -> int:
+    """`check(comm, case)` for every case, printing "rank R: CASE ok" after each."""
     comm = collectives.init(timeout=60)
     for case in cases:
-        if case == "mismatch":
-            check_mismatch(comm)
-        elif case.startswith("overlap"):
-            check_overlap(comm, graph=case == "overlap-graph")
-        else:
-            check_case(comm, case)
+        check(comm, case)
         print(f"rank {comm.rank}: {case} ok", flush=True)
     comm.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_cases(sys.argv[1:], check))
