@@ -38,6 +38,7 @@ class LocalAccumulation:
             raise ValueError(f"backward_passes_per_step must be at least 1, got {passes}")
         self.passes = passes
         self.average = average
+        self._variables: list[Any] = []
         self._sums: list[Any] = []
         self._counter: Any = None
 
@@ -45,6 +46,7 @@ class LocalAccumulation:
         """Make one zeroed sum per variable (outside any `tf.function`, whose graphs cannot
         create variables after their first trace)."""
         tf = tensorflow()
+        self._variables = list(variables)
         with tf.init_scope():
             self._sums = [
                 tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name="accumulated_gradient") for v in variables
@@ -55,10 +57,18 @@ class LocalAccumulation:
     def built(self) -> bool:
         return self._counter is not None
 
-    def add(self, gradients: Sequence[Any], apply: Callable[[list[Any]], None]) -> None:
-        """Add `gradients` (one per built variable; None adds nothing) to the sums; on every
-        `passes`-th call hand the sums (averaged if `average`) to `apply` and zero them."""
+    def add(
+        self, gradients: Sequence[Any], variables: Sequence[Any] | None, apply: Callable[[list[Any]], None]
+    ) -> None:
+        """Add `gradients` (of `variables`, which must be the built ones in the same order; None
+        means those; a None gradient adds nothing) to the sums; on every `passes`-th call hand the
+        sums (averaged if `average`) to `apply` and zero them."""
         tf = tensorflow()
+        if variables is not None and [id(v) for v in variables] != [id(v) for v in self._variables]:
+            raise ValueError(
+                "backward_passes_per_step > 1 needs the gradients of all the variables the optimizer was "
+                f"built with, in the same order: got {len(variables)} variables for {len(self._variables)}"
+            )
         if len(gradients) != len(self._sums):
             raise ValueError(f"got {len(gradients)} gradients for {len(self._sums)} accumulated variables")
         updates = [

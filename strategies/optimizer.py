@@ -104,7 +104,7 @@ class _AllReducing:
             if variables is None:
                 raise ValueError("the optimizer is not built: pass the trainable variables with the first gradients")
             self.build(variables)
-        self.accumulation.add(grads, functools.partial(self._apply_aggregated, variables=variables))
+        self.accumulation.add(grads, variables, functools.partial(self._apply_aggregated, variables=variables))
 
     def _apply_aggregated(self, grads: Sequence[Any], variables: Sequence[Any] | None) -> None:
         super().apply(self.aggregator.aggregate(grads, variables), variables)  # type: ignore[misc]

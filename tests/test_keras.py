@@ -68,6 +68,34 @@ def test_distributed_optimizer_refuses_bad_arguments() -> None:
         DistributedOptimizer(DistributedOptimizer(keras.optimizers.SGD()))
 
 
+def test_accumulation_applies_every_nth_call_and_refuses_other_variables() -> None:
+    """One rank (no exchange): SGD without momentum moves the variables only on every second
+    call, by the learning rate times the mean of the two calls' gradients."""
+    import keras
+    import tensorflow as tf
+
+    from collectives.strategies import DistributedOptimizer
+
+    def body(comm: collectives.Communicator) -> None:
+        model = small_model(0)
+        variables = model.trainable_variables
+        start = [v.numpy() for v in variables]
+        optimizer = DistributedOptimizer(
+            keras.optimizers.SGD(0.5), comm=comm, backward_passes_per_step=2, average_aggregated_gradients=True
+        )
+        optimizer.apply([tf.ones_like(v) for v in variables], variables)
+        assert int(optimizer.iterations) == 0
+        assert all(np.array_equal(v.numpy(), s) for v, s in zip(variables, start))
+        optimizer.apply([3 * tf.ones_like(v) for v in variables], variables)
+        assert int(optimizer.iterations) == 1
+        for variable, before in zip(variables, start):
+            np.testing.assert_allclose(variable.numpy(), before - 0.5 * 2, rtol=1e-6)
+        with pytest.raises(ValueError, match="all the variables the optimizer was built with"):
+            optimizer.apply([tf.ones_like(variables[0])], variables[:1])
+
+    run_threads(body, 1, timeout=60)
+
+
 def test_a_saved_model_loads_with_the_plain_optimizer_and_its_state(tmp_path: Path) -> None:
     """`model.save` records the base optimizer: loading gives the same weights, and with
     `compile=True` a plain Adam holding the trained optimizer state, ready to be wrapped again."""
