@@ -22,9 +22,10 @@ It prints three tables and the issue's targets, each "met" or "MISSED" with its 
   the algorithm our selector chose;
 * where our time goes: the communicator on numpy arrays (auto, and MPI's native all-reduce) next
   to `collectives.strategies.allreduce` on a tensor, measured alternately in the same processes;
-* training step: MWMS and ours (eager, `tf.function`), the same step with a plain tape and no
-  communication, the difference (communication left exposed), the timeline's hidden fraction, and
-  whether the ranks ended with identical weights.
+* training step: MWMS and ours (eager, `tf.function`, and `model.fit` with `DistributedOptimizer`),
+  the same step with a plain tape (or plain optimizer) and no communication, the difference
+  (communication left exposed), the timeline's hidden fraction, and whether the ranks ended with
+  identical weights.
 
 Every group runs under a timeout; on timeout or failure only the processes this module started
 are stopped: the launcher (by its process group) and each rank (by the pid it wrote at start-up).

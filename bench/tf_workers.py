@@ -20,7 +20,9 @@ the variants they compare within the process (`interleaved`), so noise hits them
   on the same tensors eagerly and inside a `tf.function`, alternating with the communicator's own
   `allreduce` on numpy arrays (and MPI's native one), `comm.barrier()` between iterations; the
   example's training step with `DistributedGradientTape`, eager and inside a `tf.function`, and
-  the fraction of communication time hidden behind backprop from the strategies timeline.
+  the fraction of communication time hidden behind backprop from the strategies timeline; and
+  the same model trained by `model.fit` with `DistributedOptimizer` (variant `fit`: each batch
+  timed by a callback right after a barrier, inside one `fit` call, after the tape variants).
 
 Both also time the same training step with a plain `tf.GradientTape` and no communication, both
 ranks at once: the difference is the communication a step leaves exposed. Every rank trains on
@@ -54,6 +56,8 @@ _EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_keras.py
 _TRAIN_SAMPLES = 4096
 LOCAL = "local-"
 """Prefix of the training variants run with a plain tf.GradientTape (no communication)."""
+FIT = "fit"
+"""The training variant run by `model.fit` with `DistributedOptimizer` (ours only)."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +286,12 @@ def run_ours(config: WorkerConfig, out: Path) -> RankResult:
         result.hidden[variant] = strategies.hidden_fraction(
             [e for e in events if e["args"].get("step", 0) > config.warmup]
         )
+    for distributed in (True, False):
+        comm.barrier()
+        times, model = fit_step_times(example, x, y, config=config, distributed=distributed, sync=comm.barrier)
+        result.train[FIT if distributed else LOCAL + FIT] = times
+        if distributed:
+            result.checksum[FIT] = weights_checksum(model.trainable_variables)
     comm.close()
     return result
 
@@ -316,6 +326,46 @@ def train_step_for(
         return loss
 
     return (tf.function(train_step) if graph else train_step), model, wrapper
+
+
+def fit_step_times(
+    example: ModuleType, x: Any, y: Any, *, config: WorkerConfig, distributed: bool, sync: Callable[[], Any]
+) -> tuple[list[float], Any]:
+    """The example's model trained by `model.fit` on `(x, y)` repeated, compiled (the default
+    `tf.function` step) with `DistributedOptimizer` and the broadcast callback, or (not
+    `distributed`) with the plain optimizer and no communication. One `fit` call runs every step:
+    a callback calls `sync()` before each batch and times the batch, as `interleaved` times a call.
+    Returns (the timed steps' seconds, after `config.warmup` untimed ones; the model)."""
+    import keras
+    import tensorflow as tf
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            sync()
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.times.append(time.perf_counter() - self._start)
+
+    model = example.build_model()
+    optimizer = keras.optimizers.Adam(1e-3)
+    timer = StepTimer()
+    callbacks: list[Any] = [timer]
+    if distributed:
+        from collectives import strategies
+
+        buckets = {} if config.bucket_bytes is None else {"bucket_bytes": config.bucket_bytes}
+        optimizer = strategies.DistributedOptimizer(optimizer, **buckets)
+        callbacks.insert(0, strategies.BroadcastGlobalVariablesCallback(0))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+    steps = config.warmup + config.repeats
+    model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), steps_per_epoch=steps, verbose=0, callbacks=callbacks)
+    return timer.times[config.warmup :], model
 
 
 def main(argv: Sequence[str] | None = None) -> int:

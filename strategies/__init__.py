@@ -1,4 +1,4 @@
-"""TensorFlow integration: data-parallel gradient aggregation for custom training loops.
+"""TensorFlow integration: data-parallel gradient aggregation for custom training loops and `model.fit`.
 
     import collectives
     from collectives.strategies import DistributedGradientTape, broadcast_variables
@@ -15,6 +15,9 @@ dataflow inside `tf.function`, through gradient hooks in eager mode), and every 
 with bit-identical gradients. Every function takes `comm=None`, meaning the communicator made by
 the last `collectives.init()`.
 
+For `model.fit`: `model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam()), ...)` and
+`model.fit(..., callbacks=[BroadcastGlobalVariablesCallback(0), MetricAverageCallback()])`.
+
 TensorFlow is imported when one of these names is first used, not by `import collectives.strategies`;
 without it installed, using them raises `BackendUnavailableError` naming the `tf` extra.
 """
@@ -27,6 +30,10 @@ from typing import Any
 _EXPORTS = {
     "GradientAggregator": ".aggregator",
     "DistributedGradientTape": ".tape",
+    "DistributedOptimizer": ".optimizer",
+    "BroadcastGlobalVariablesCallback": ".callbacks",
+    "MetricAverageCallback": ".callbacks",
+    "LearningRateWarmupCallback": ".callbacks",
     "allreduce": ".ops",
     "allgather": ".ops",
     "broadcast": ".ops",
@@ -58,10 +65,13 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'collectives.strategies' has no attribute {name!r}")
-    module = importlib.import_module(_EXPORTS[name], __name__)
     if name in {
         "GradientAggregator",
         "DistributedGradientTape",
+        "DistributedOptimizer",
+        "BroadcastGlobalVariablesCallback",
+        "MetricAverageCallback",
+        "LearningRateWarmupCallback",
         "allreduce",
         "allgather",
         "broadcast",
@@ -74,4 +84,4 @@ def __getattr__(name: str) -> Any:
         from ._tensorflow import tensorflow
 
         tensorflow()  # a clear error naming the `tf` extra if TensorFlow is missing
-    return getattr(module, name)
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -169,6 +169,8 @@ def test_end_to_end_smoke(tmp_path: Path) -> None:
         assert summary["error"] is None and summary["wrong"] == 0
         assert summary["allreduce"]["function"]["4096"] > 0
         assert all(summary["in_sync"].values())
+        if group != "mwms":
+            assert summary["train"]["fit"] > 0 and summary["in_sync"]["fit"]
 
 
 def test_missing_tensorflow_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

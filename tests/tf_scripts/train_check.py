@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -81,6 +82,14 @@ def train(model: keras.Model, data, tape_factory, graph: bool) -> None:
         raise AssertionError(f"the training step was traced {run.experimental_get_tracing_count()} times, not once")
 
 
+def check_identical_everywhere(comm: collectives.Communicator, arrays: list[np.ndarray], case: str) -> None:
+    """Every rank holds bit-identical `arrays` (compared through a digest)."""
+    digest = np.frombuffer(hashlib.sha256(b"".join(a.tobytes() for a in arrays)).digest(), np.uint8)
+    digests = comm.allgather(digest).reshape(comm.size, -1)
+    if not (digests == digests[0]).all():
+        raise AssertionError(f"{case}: variables differ between ranks")
+
+
 class PlainTape:
     """A reusable plain tape, the single-process reference."""
 
@@ -110,10 +119,7 @@ def check_case(comm: collectives.Communicator, case: str) -> None:
         graph,
     )
     weights = [v.numpy() for v in model.trainable_variables]
-    digest = np.frombuffer(hashlib.sha256(b"".join(w.tobytes() for w in weights)).digest(), np.uint8)
-    digests = comm.allgather(digest).reshape(comm.size, -1)
-    if not (digests == digests[0]).all():
-        raise AssertionError(f"{case}: variables differ between ranks")
+    check_identical_everywhere(comm, weights, case)
     reference = build(seed=0)
     train(reference, data, PlainTape, graph)
     tolerance = 2e-3 if compression else 1e-5
@@ -170,19 +176,24 @@ def check_overlap(comm: collectives.Communicator, graph: bool) -> None:
     )
 
 
-def main(cases: list[str]) -> int:
+def check(comm: collectives.Communicator, case: str) -> None:
+    if case == "mismatch":
+        check_mismatch(comm)
+    elif case.startswith("overlap"):
+        check_overlap(comm, graph=case == "overlap-graph")
+    else:
+        check_case(comm, case)
+
+
+def run_cases(cases: list[str], check: Callable[[collectives.Communicator, str], None]) -> int:
+    """`check(comm, case)` for every case, printing "rank R: CASE ok" after each."""
     comm = collectives.init(timeout=60)
     for case in cases:
-        if case == "mismatch":
-            check_mismatch(comm)
-        elif case.startswith("overlap"):
-            check_overlap(comm, graph=case == "overlap-graph")
-        else:
-            check_case(comm, case)
+        check(comm, case)
         print(f"rank {comm.rank}: {case} ok", flush=True)
     comm.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_cases(sys.argv[1:], check))

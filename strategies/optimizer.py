@@ -1,0 +1,116 @@
+"""`DistributedOptimizer`: data-parallel `model.fit` with any Keras 3 optimizer.
+
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam(1e-3)), loss=...)
+    model.fit(x_shard, y_shard, callbacks=[BroadcastGlobalVariablesCallback(0)])
+
+Keras 3's `fit` computes the gradients of each batch and hands them to `optimizer.apply` (which
+`apply_gradients` also calls). As Horovod does, the wrapper is a subclass of the optimizer's own
+class whose `apply` first all-reduces the gradients through a `GradientAggregator` (fused buckets,
+compression, sparse gradients all-gathered), then lets the optimizer update the variables, so
+`isinstance`, the learning rate, schedules and the optimizer's state behave as before. Inside the
+compiled `fit` step (a `tf.function`, the default) each bucket's hand-off runs as soon as its
+gradients exist, overlapping backprop; with `run_eagerly=True` Keras computes every gradient
+before calling the optimizer, so the exchange follows backprop (use `DistributedGradientTape(model=)`
+in a custom loop for eager overlap).
+
+With `backward_passes_per_step=N` the gradients of N batches are summed locally (`accumulation`)
+and exchanged and applied once every N-th batch; `optimizer.iterations` counts applied steps.
+
+The subclass carries the base class's name and module, so `model.save` records the plain
+optimizer (its config and its variables): `keras.models.load_model` returns a model compiled with
+the plain optimizer, ready to be wrapped again. XLA cannot compile the exchange (it runs as
+`tf.numpy_function`): compile with `jit_compile=False` on machines with a GPU (on CPU-only
+machines Keras's default already is False).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from collectives import Communicator
+
+from .accumulation import LocalAccumulation
+from .aggregator import GradientAggregator
+
+
+def DistributedOptimizer(  # Horovod's name, although it is a function
+    optimizer: Any,
+    comm: Communicator | None = None,
+    *,
+    aggregator: GradientAggregator | None = None,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    **options: Any,
+) -> Any:
+    """A new optimizer of `optimizer`'s class and config that all-reduces gradients before applying them.
+
+    Args:
+        optimizer: a Keras 3 optimizer (unbuilt, as passed to `model.compile`; its config is
+            copied, its state is not).
+        comm: the communicator; None means the one made by the last `collectives.init()`.
+        aggregator: share a `GradientAggregator`; otherwise one is made from `options`.
+        backward_passes_per_step: batches whose gradients are summed locally before each exchange
+            and optimizer step.
+        average_aggregated_gradients: divide those sums by `backward_passes_per_step` (the step
+            then uses the mean gradient of the batches instead of their sum).
+        **options: `GradientAggregator`'s (and `DistributedGradientTape`'s) options: `average`,
+            `bucket_bytes`, `compression`, `sparse_as_dense`, `timeline`.
+
+    Raises:
+        TypeError: `optimizer` is not a Keras 3 optimizer, or an option is unknown or has the wrong type.
+        ValueError: `optimizer` is already distributed, both `aggregator` and options are given,
+            or an argument is out of range.
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer must be a Keras 3 optimizer (keras.optimizers.*), got {optimizer!r}")
+    if isinstance(optimizer, _AllReducing):
+        raise ValueError("this optimizer already all-reduces its gradients: wrap the plain optimizer, once")
+    if aggregator is not None and options:
+        raise ValueError(f"give either an aggregator or its options, not both (got {sorted(options)})")
+    accumulation = LocalAccumulation(backward_passes_per_step, average_aggregated_gradients)
+    aggregator = aggregator or GradientAggregator(comm, **options)
+    distributed = _all_reducing_class(optimizer.__class__).from_config(optimizer.get_config())
+    distributed.aggregator = aggregator
+    distributed.accumulation = accumulation if accumulation.passes > 1 else None
+    return distributed
+
+
+class _AllReducing:
+    """The methods a distributed optimizer class adds to its Keras base class."""
+
+    aggregator: GradientAggregator
+    accumulation: LocalAccumulation | None
+
+    def build(self, variables: Sequence[Any]) -> None:
+        super().build(variables)  # type: ignore[misc]
+        if self.accumulation is not None and not self.accumulation.built:
+            self.accumulation.build(variables)
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+        """Aggregate `grads` across ranks (every `backward_passes_per_step`-th call, their local
+        sums), then apply them as the base optimizer does."""
+        grads = list(grads)
+        variables = None if trainable_variables is None else list(trainable_variables)
+        if not grads:
+            return
+        if self.accumulation is None:
+            self._apply_aggregated(grads, variables)
+            return
+        if not self.built:  # type: ignore[attr-defined]
+            if variables is None:
+                raise ValueError("the optimizer is not built: pass the trainable variables with the first gradients")
+            self.build(variables)
+        self.accumulation.add(grads, variables, functools.partial(self._apply_aggregated, variables=variables))
+
+    def _apply_aggregated(self, grads: Sequence[Any], variables: Sequence[Any] | None) -> None:
+        super().apply(self.aggregator.aggregate(grads, variables), variables)  # type: ignore[misc]
+
+
+@functools.cache
+def _all_reducing_class(base: Any) -> Any:
+    """`base` with `_AllReducing`'s methods first, named like `base` (see the module docstring)."""
+    return type(base.__name__, (_AllReducing, base), {"__module__": base.__module__, "__qualname__": base.__qualname__})

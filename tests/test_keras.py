@@ -1,0 +1,234 @@
+"""Keras 3 `model.fit`: `DistributedOptimizer` (arguments, class, saving), the callbacks on the threads
+backend (warm-up schedule, metric averaging), and whole `fit` runs in real processes over gRPC
+(launcher) and MPI (mpiexec), see tests/tf_scripts/fit_check.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import test_processes
+
+import collectives
+from collectives import run_threads
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None, reason="tensorflow not installed (.[tf])"
+)
+FIT_CHECK = str(Path(__file__).with_name("tf_scripts") / "fit_check.py")
+
+
+def small_model(seed: int):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(2)])
+
+
+def rank_data(rank: int, samples: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(rank)
+    return rng.normal(size=(samples, 4)).astype(np.float32), rng.integers(0, 2, samples).astype(np.int32)
+
+
+# -- DistributedOptimizer ---------------------------------------------------------------------------
+
+
+def test_distributed_optimizer_is_the_optimizers_class_with_its_config() -> None:
+    import keras
+
+    from collectives.strategies import DistributedOptimizer
+
+    plain = keras.optimizers.Adam(0.25, beta_1=0.8, clipnorm=1.0)
+    distributed = DistributedOptimizer(plain)
+    assert isinstance(distributed, keras.optimizers.Adam) and type(distributed).__name__ == "Adam"
+    assert distributed.get_config() == plain.get_config() | {"name": distributed.name}
+    assert float(distributed.learning_rate) == 0.25
+
+
+def test_distributed_optimizer_refuses_bad_arguments() -> None:
+    import keras
+
+    from collectives.strategies import DistributedOptimizer, GradientAggregator
+
+    with pytest.raises(TypeError, match="Keras 3 optimizer"):
+        DistributedOptimizer("adam")
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
+    with pytest.raises(TypeError, match="must be an int"):
+        DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2.0)
+    with pytest.raises(TypeError, match="bucket_size"):
+        DistributedOptimizer(keras.optimizers.SGD(), bucket_size=1024)
+    with pytest.raises(ValueError, match="either an aggregator or its options"):
+        DistributedOptimizer(keras.optimizers.SGD(), aggregator=GradientAggregator(), average=False)
+    with pytest.raises(ValueError, match="already all-reduces"):
+        DistributedOptimizer(DistributedOptimizer(keras.optimizers.SGD()))
+
+
+def test_accumulation_applies_every_nth_call_and_refuses_other_variables() -> None:
+    """One rank (no exchange): SGD without momentum moves the variables only on every second
+    call, by the learning rate times the mean of the two calls' gradients."""
+    import keras
+    import tensorflow as tf
+
+    from collectives.strategies import DistributedOptimizer
+
+    def body(comm: collectives.Communicator) -> None:
+        model = small_model(0)
+        variables = model.trainable_variables
+        start = [v.numpy() for v in variables]
+        optimizer = DistributedOptimizer(
+            keras.optimizers.SGD(0.5), comm=comm, backward_passes_per_step=2, average_aggregated_gradients=True
+        )
+        optimizer.apply([tf.ones_like(v) for v in variables], variables)
+        assert int(optimizer.iterations) == 0
+        assert all(np.array_equal(v.numpy(), s) for v, s in zip(variables, start))
+        optimizer.apply([3 * tf.ones_like(v) for v in variables], variables)
+        assert int(optimizer.iterations) == 1
+        for variable, before in zip(variables, start):
+            np.testing.assert_allclose(variable.numpy(), before - 0.5 * 2, rtol=1e-6)
+        with pytest.raises(ValueError, match="all the variables the optimizer was built with"):
+            optimizer.apply([tf.ones_like(variables[0])], variables[:1])
+
+    run_threads(body, 1, timeout=60)
+
+
+def test_a_saved_model_loads_with_the_plain_optimizer_and_its_state(tmp_path: Path) -> None:
+    """`model.save` records the base optimizer: loading gives the same weights, and with
+    `compile=True` a plain Adam holding the trained optimizer state, ready to be wrapped again."""
+    import keras
+
+    from collectives.strategies import DistributedOptimizer
+
+    def body(comm: collectives.Communicator):
+        model = small_model(0)
+        optimizer = DistributedOptimizer(keras.optimizers.Adam(0.1), comm=comm, backward_passes_per_step=2)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(*rank_data(0), batch_size=4, epochs=2, verbose=0)
+        path = tmp_path / "model.keras"
+        model.save(path)
+        weights_only = keras.models.load_model(path, compile=False)
+        compiled = keras.models.load_model(path)
+        return model, weights_only, compiled
+
+    [(model, weights_only, compiled)] = run_threads(body, 1, timeout=60)
+    for loaded in (weights_only, compiled):
+        for mine, theirs in zip(model.variables, loaded.variables):
+            np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+    assert type(compiled.optimizer) is keras.optimizers.Adam
+    assert int(compiled.optimizer.iterations) == int(model.optimizer.iterations) == 3  # 6 batches, 2 per step
+    for mine, theirs in zip(model.optimizer.variables, compiled.optimizer.variables):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
+# -- callbacks --------------------------------------------------------------------------------------
+
+
+def record_logs(recorded: list, when: str):
+    """A callback appending a copy of (epoch or batch, learning rate, logs) at `when`."""
+    import keras
+
+    class Recorder(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if when == "batch":
+                recorded.append(float(self.model.optimizer.learning_rate))
+
+        def on_epoch_end(self, epoch, logs=None):
+            if when == "epoch":
+                recorded.append(dict(logs))
+
+    return Recorder()
+
+
+def test_learning_rate_warmup_ramps_per_batch_from_lr_over_size_to_lr() -> None:
+    import keras
+
+    from collectives.strategies import LearningRateWarmupCallback
+
+    size, steps, warmup_epochs = 4, 3, 2
+
+    def body(comm: collectives.Communicator) -> list[float]:
+        model = small_model(comm.rank)
+        model.compile(optimizer=keras.optimizers.SGD(0.8), loss="mse", run_eagerly=True)
+        rates: list[float] = []
+        callbacks = [LearningRateWarmupCallback(warmup_epochs, comm=comm), record_logs(rates, "batch")]
+        x, y = rank_data(comm.rank, samples=steps * 2)
+        history = model.fit(x, y, batch_size=2, epochs=3, verbose=0, callbacks=callbacks)
+        assert history.history["learning_rate"] == pytest.approx([0.8 * 5 / 8, 0.8, 0.8])
+        return rates
+
+    expected = [
+        0.8 / size * (1 + (epoch + (batch + 1) / steps) * (size - 1) / warmup_epochs)
+        for epoch in range(2)
+        for batch in range(steps)
+    ]
+    for rates in run_threads(body, size, timeout=60):
+        assert rates == pytest.approx([*expected, 0.8, 0.8, 0.8], rel=1e-6)
+        assert rates[steps * warmup_epochs - 1] == pytest.approx(0.8)
+
+
+def test_learning_rate_warmup_refuses_bad_arguments() -> None:
+    from collectives.strategies import LearningRateWarmupCallback
+
+    with pytest.raises(ValueError, match="warmup_epochs must be positive"):
+        LearningRateWarmupCallback(0)
+    with pytest.raises(ValueError, match="steps_per_epoch must be at least 1"):
+        LearningRateWarmupCallback(2, steps_per_epoch=0)
+
+
+def test_metric_average_gives_every_rank_the_mean_of_the_ranks_logs() -> None:
+    """Each rank fits its own data (no gradient exchange): its logs before the callback differ,
+    after it they are the ranks' mean, the same on every rank, for every epoch."""
+    import keras
+
+    from collectives.strategies import MetricAverageCallback
+
+    def body(comm: collectives.Communicator):
+        model = small_model(comm.rank)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=["accuracy"], run_eagerly=True)
+        own: list[dict] = []
+        callbacks = [record_logs(own, "epoch"), MetricAverageCallback(comm=comm)]
+        x, y = rank_data(comm.rank)
+        history = model.fit(x, y, batch_size=4, epochs=2, validation_data=(x, y), verbose=0, callbacks=callbacks)
+        return own, history.history
+
+    results = run_threads(body, 3, timeout=60)
+    histories = [history for _, history in results]
+    assert sorted(histories[0]) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert all(history == histories[0] for history in histories)
+    for name, per_epoch in histories[0].items():
+        for epoch, value in enumerate(per_epoch):
+            own = [logs[epoch][name] for logs, _ in results]
+            assert value == pytest.approx(np.mean(own), rel=1e-12)
+    assert len({logs[0]["loss"] for logs, _ in results}) == 3
+
+
+# -- whole fit runs in real processes ---------------------------------------------------------------
+# Their TMPDIR is the test's own directory, so what they leave there goes with it.
+
+CASES = {2: ["fit-eager", "fit-graph", "sparse", "accumulate", "accumulate-sum"], 4: ["fit-graph", "accumulate"]}
+
+
+def _assert_cases_passed(result, ranks: int) -> None:
+    test_processes.assert_every_rank_passed(result, ranks, CASES[ranks])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[grpc])")
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fit_matches_one_process_on_the_global_batch_over_grpc(ranks: int, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "collectives.launch", "-n", str(ranks), FIT_CHECK, *CASES[ranks]]
+    _assert_cases_passed(test_processes.run_job(command, {"TMPDIR": str(tmp_path)}), ranks)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or not os.access(test_processes.MPIEXEC, os.X_OK),
+    reason="mpi4py / mpiexec not installed (.[mpi])",
+)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fit_matches_one_process_on_the_global_batch_over_mpi(ranks: int, tmp_path: Path) -> None:
+    command = [test_processes.MPIEXEC, "-n", str(ranks), sys.executable, FIT_CHECK, *CASES[ranks]]
+    _assert_cases_passed(test_processes.run_job(command, {"TMPDIR": str(tmp_path)}), ranks)
