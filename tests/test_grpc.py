@@ -40,6 +40,7 @@ from collectives.backends.errors import (
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "grpc_scripts"))
 
+from certificates import HAVE_OPENSSL, make_certificates  # noqa: E402
 from grpc_world import World  # noqa: E402
 
 from collectives.launch import free_loopback_ports as free_ports  # noqa: E402
@@ -682,58 +683,8 @@ def test_malformed_frames_are_refused_and_the_real_ranks_carry_on(caplog: pytest
             fake.stop()
 
 
-def make_certificates(directory: Path) -> dict[str, str]:
-    """A CA and a certificate for 127.0.0.1 signed by it (openssl CLI)."""
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60, cwd=directory)
-
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=test-ca",
-    )
-    (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
-    run(
-        "x509",
-        "-req",
-        "-in",
-        "node.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "node.pem",
-        "-days",
-        "1",
-        "-extfile",
-        "ext.cnf",
-    )
-    return {
-        "COLLECTIVES_TLS_CERT": str(directory / "node.pem"),
-        "COLLECTIVES_TLS_KEY": str(directory / "node.key"),
-        "COLLECTIVES_TLS_CA": str(directory / "ca.pem"),
-    }
-
-
 @requires_grpc
-@pytest.mark.skipif(
-    not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(os.pathsep)),
-    reason="needs the openssl CLI",
-)
+@pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl CLI to make test certificates")
 def test_tls_world_and_plaintext_refused(tmp_path: Path) -> None:
     import grpc
 

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "grpc_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+from certificates import HAVE_OPENSSL, make_certificates  # noqa: E402
 from grpc_world import World  # noqa: E402
 
 from collectives.launch import (  # noqa: E402
@@ -399,61 +399,22 @@ def test_replayed_messages_and_second_streams_are_refused(victim_and_insiders: t
 # -- 6. TLS misconfiguration ------------------------------------------------------------------------------
 
 
-def make_ca_and_node(directory: Path, name: str) -> dict[str, bytes]:
-    """A CA named `name` and a certificate for 127.0.0.1 it signed (openssl CLI)."""
-    directory.mkdir()
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60, cwd=directory)
-
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "1",
-        "-subj",
-        f"/CN={name}-ca",
-    )
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", f"/CN={name}")
-    (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    run(
-        "x509",
-        "-req",
-        "-in",
-        "node.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "node.pem",
-        "-days",
-        "1",
-        "-extfile",
-        "ext.cnf",
-    )
-    files = {"ca": "ca.pem", "node": "node.pem", "key": "node.key"}
-    return {part: (directory / name).read_bytes() for part, name in files.items()}
-
-
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make test certificates")
+@pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl CLI to make test certificates")
 @pytest.mark.parametrize("mistake", ["no CA", "a CA the peer does not trust"])
 def test_tls_misconfiguration_fails_fast_with_the_reason(tmp_path: Path, mistake: str) -> None:
     from collectives.backends.grpc import GrpcTransport
 
-    ours, theirs = make_ca_and_node(tmp_path / "a", "a"), make_ca_and_node(tmp_path / "b", "b")
-    if mistake == "no CA":
-        tls = [wire.TlsFiles(files["node"], files["key"]) for files in (ours, theirs)]
-    else:
-        tls = [wire.TlsFiles(files["node"], files["key"], files["ca"]) for files in (ours, theirs)]
+    # Each rank has its own CA: with it, neither trusts the other; without any, neither is trusted.
+    files = [make_certificates(tmp_path / name, name) for name in ("a", "b")]
+    with_ca = mistake != "no CA"
+    tls = [
+        wire.TlsFiles(
+            Path(env["COLLECTIVES_TLS_CERT"]).read_bytes(),
+            Path(env["COLLECTIVES_TLS_KEY"]).read_bytes(),
+            Path(env["COLLECTIVES_TLS_CA"]).read_bytes() if with_ca else None,
+        )
+        for env in files
+    ]
     addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(2)]
     failed_after: dict[str, float] = {}
     start = time.monotonic()
