@@ -158,8 +158,9 @@ larger ones are refused by gRPC (RESOURCE_EXHAUSTED) before any of this module s
 CONTROL_BYTES = 16 * 1024
 """Limit on a call's metadata, which carries everything the control calls (Hello, Abort) say: their
 bodies are never read. Also the limit on any answer this rank accepts as a client."""
-MAX_ABORT_TEXT = 2000
-"""Characters of an abort notice's text that travel (JSON-escaped, it stays within `CONTROL_BYTES`)."""
+MAX_ABORT_TEXT = 1500
+"""Characters of an abort notice's text that travel: JSON-escaped (up to 6 bytes a character) and
+base64-encoded as binary metadata, it stays within `CONTROL_BYTES`."""
 SERVER_COOKIE_BYTES = 16
 
 DEFAULT_MAX_UNMATCHED_BYTES = 256 * 1024 * 1024
@@ -466,13 +467,15 @@ class GrpcTransport(Transport):
             ("grpc.absolute_max_metadata_size", CONTROL_BYTES),
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ]
         self._channel_options: list[tuple[str, int | str]] = [
             *common,
             ("grpc.max_send_message_length", frame_limit),
             ("grpc.max_receive_message_length", CONTROL_BYTES),  # peers only ever answer briefly
             ("grpc.enable_retries", 0),  # retries would keep a copy of every frame
-            ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
@@ -484,8 +487,6 @@ class GrpcTransport(Transport):
             ("grpc.max_send_message_length", CONTROL_BYTES),
             # A port in use must fail, not be shared; unless the launcher holds it for this rank.
             ("grpc.so_reuseport", int(reuse_port)),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-            ("grpc.http2.max_ping_strikes", 0),
             ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
             # Without it gRPC widens its receive windows to megabytes per call, and buffers that
             # much of every stranger's call before the gate has refused it.
