@@ -13,11 +13,16 @@ Cluster description, in order of precedence:
    Ranks are the chief (if any) followed by the workers, as in
    ``MultiWorkerMirroredStrategy``; other task types (ps, evaluator) take no part.
 
-Common to both: ``COLLECTIVES_SECRET`` (shared secret every call must carry),
-``COLLECTIVES_TLS_CERT`` / ``COLLECTIVES_TLS_KEY`` / ``COLLECTIVES_TLS_CA`` (PEM files; cert and
-key enable TLS, the CA also makes the server require client certificates),
+Common to both: ``COLLECTIVES_SECRET`` (shared secret every rank proves it holds, see
+docs/security.md), ``COLLECTIVES_TLS_CERT`` / ``COLLECTIVES_TLS_KEY`` / ``COLLECTIVES_TLS_CA``
+(PEM files; cert and key enable TLS, the CA also makes the server require client certificates),
 ``COLLECTIVES_TLS_SERVER_NAME`` (name to check the peers' certificates against, when they are
-issued for a name rather than the addresses), and ``COLLECTIVES_RANKS_PER_NODE``.
+issued for a name rather than the addresses), ``COLLECTIVES_BIND`` (the ``host:port`` this rank
+listens on when its listed address cannot be bound, e.g. ``0.0.0.0:2222`` in a Kubernetes pod
+whose service name does not resolve yet), ``COLLECTIVES_INSECURE=1`` (allow listening on a
+non-loopback address with neither a secret nor TLS), ``COLLECTIVES_REUSE_PORT=1`` (set by the
+launcher, which holds each rank's port with SO_REUSEPORT until the rank listens on it) and
+``COLLECTIVES_RANKS_PER_NODE``.
 
 Node identity (`host`, which decides the topology of hierarchical algorithms):
 ``COLLECTIVES_RANKS_PER_NODE=n`` places rank r on ``node{r // n}`` (to emulate nodes on one
@@ -29,6 +34,8 @@ spellings of one machine (a name and an IP) count as two nodes: use one spelling
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import json
 import os
@@ -48,6 +55,9 @@ ENV_TLS_KEY = "COLLECTIVES_TLS_KEY"
 ENV_TLS_CA = "COLLECTIVES_TLS_CA"
 ENV_TLS_SERVER_NAME = "COLLECTIVES_TLS_SERVER_NAME"
 ENV_TF_CONFIG = "TF_CONFIG"
+ENV_BIND = "COLLECTIVES_BIND"
+ENV_INSECURE = "COLLECTIVES_INSECURE"
+ENV_REUSE_PORT = "COLLECTIVES_REUSE_PORT"
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,10 @@ class ClusterConfig:
     host: str
     secret: bytes | None = None
     tls: TlsFiles | None = None
+    bind: str | None = None
+    """Where this rank listens, when not at its own address (``COLLECTIVES_BIND``)."""
+    reuse_port: bool = False
+    """Bind with SO_REUSEPORT: the launcher holds the port that way until this rank listens."""
 
     @property
     def size(self) -> int:
@@ -99,6 +113,16 @@ def is_local_host(host: str) -> bool:
     except ValueError:
         return False
     return ip.is_loopback or ip.is_unspecified
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach a server listening on `host` (wildcards cannot say so)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _int_variable(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
@@ -202,6 +226,9 @@ def load_config(environ: Mapping[str, str] | None = None) -> ClusterConfig:
 
     secret_text = env.get(ENV_SECRET)
     secret = secret_text.encode() if secret_text else None
+    bind = env.get(ENV_BIND, "").strip() or None
+    if bind is not None:
+        split_address(bind, what=ENV_BIND)
 
     cert, key = _read_pem(env, ENV_TLS_CERT), _read_pem(env, ENV_TLS_KEY)
     if (cert is None) != (key is None):
@@ -213,8 +240,24 @@ def load_config(environ: Mapping[str, str] | None = None) -> ClusterConfig:
     elif ca is not None:
         raise ValueError(f"{ENV_TLS_CA} is set but {ENV_TLS_CERT}/{ENV_TLS_KEY} are not; set all three for TLS")
 
+    listen = bind or addresses[rank]
+    if secret is None and tls is None and env.get(ENV_INSECURE) != "1":
+        if not is_loopback(split_address(listen, what="listening address")[0]):
+            raise ValueError(
+                f"refusing to listen on {listen} with neither {ENV_SECRET} nor TLS ({ENV_TLS_CERT}, {ENV_TLS_KEY}): "
+                f"any machine that reaches it could join or abort the job. Set {ENV_SECRET} to the same value on "
+                f"every rank, or {ENV_INSECURE}=1 to accept that"
+            )
     host = emulated_host(rank, env) or node_name(addresses[rank])
-    return ClusterConfig(rank=rank, addresses=addresses, host=host, secret=secret, tls=tls)
+    return ClusterConfig(
+        rank=rank,
+        addresses=addresses,
+        host=host,
+        secret=secret,
+        tls=tls,
+        bind=bind,
+        reuse_port=env.get(ENV_REUSE_PORT) == "1",
+    )
 
 
 def node_name(address: str) -> str:
@@ -226,13 +269,14 @@ def node_name(address: str) -> str:
 # -- wire format ------------------------------------------------------------------------------------
 
 FRAME_MAGIC = b"CF"
-FRAME_VERSION = 1
+FRAME_VERSION = 2
 FLAG_FIRST = 1
 """The frame starts a message: it carries the header and the total payload size."""
 FLAG_LAST = 2
 """The frame ends a message."""
-PREFIX = struct.Struct("<2sBBqQI")
-"""magic, version, flags, tag, total payload bytes of the message, header bytes in this frame."""
+PREFIX = struct.Struct("<2sBBqQQI")
+"""magic, version, flags, tag, sequence number of the message on its stream (0, 1, 2, ...), total
+payload bytes of the message, header bytes in this frame."""
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 1 << 40
@@ -244,16 +288,18 @@ class FrameError(ValueError):
     """A frame that does not follow the wire format; the stream that carried it is refused."""
 
 
-def encode_prefix(flags: int, tag: int, total: int, header_len: int) -> bytes:
-    return PREFIX.pack(FRAME_MAGIC, FRAME_VERSION, flags, tag, total, header_len)
+def encode_prefix(flags: int, tag: int, sequence: int, total: int, header_len: int) -> bytes:
+    return PREFIX.pack(FRAME_MAGIC, FRAME_VERSION, flags, tag, sequence, total, header_len)
 
 
-def decode_frame(frame: bytes) -> tuple[int, int, int, bytes, memoryview]:
-    """(flags, tag, total, header, payload view) of one frame; FrameError if malformed."""
+def decode_frame(frame: bytes) -> tuple[int, int, int, int, bytes, memoryview]:
+    """(flags, tag, sequence, total, header, payload view) of one frame; FrameError if malformed.
+
+    A plain tuple: this runs once per frame on the receive path."""
     if not isinstance(frame, bytes) or len(frame) < PREFIX.size:
         length = len(frame) if isinstance(frame, bytes) else "?"
         raise FrameError(f"frame of {length} bytes is shorter than its {PREFIX.size}-byte prefix")
-    magic, version, flags, tag, total, header_len = PREFIX.unpack_from(frame)
+    magic, version, flags, tag, sequence, total, header_len = PREFIX.unpack_from(frame)
     if magic != FRAME_MAGIC or version != FRAME_VERSION:
         raise FrameError(f"bad frame magic/version {magic!r}/{version}")
     if flags & ~(FLAG_FIRST | FLAG_LAST):
@@ -270,4 +316,30 @@ def decode_frame(frame: bytes) -> tuple[int, int, int, bytes, memoryview]:
     view = memoryview(frame)
     if len(frame) - end > total:
         raise FrameError(f"frame carries {len(frame) - end} payload bytes, more than the message's {total}")
-    return flags, tag, total, bytes(view[PREFIX.size : end]), view[end:]
+    return flags, tag, sequence, total, bytes(view[PREFIX.size : end]), view[end:]
+
+
+# -- authentication ---------------------------------------------------------------------------------
+#
+# Challenge-response over HMAC-SHA256 (the protocol is described in `collectives.backends.grpc`).
+# The secret is only ever used as an HMAC key; what travels are nonces and proofs.
+
+NONCE_BYTES = 32
+
+
+def session_key(secret: bytes, client: int, server: int, size: int, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The key of one authenticated connection from rank `client` to rank `server`: bound to both
+    ranks (in that order, so the reverse direction has another key), the world size and both
+    sides' fresh nonces, so no key (and no proof made with it) is ever valid twice."""
+    context = struct.pack("<4sQQQ", b"CSK1", client, server, size) + client_nonce + server_nonce
+    return hmac.new(secret, context, hashlib.sha256).digest()
+
+
+def proof(key: bytes, role: bytes, *fields: bytes) -> bytes:
+    """HMAC-SHA256 under a session key of `role` (who proves what: b"server", b"client",
+    b"abort") and the fields it covers, each length-prefixed so that no two field lists collide."""
+    mac = hmac.new(key, role, hashlib.sha256)
+    for field in fields:
+        mac.update(struct.pack("<Q", len(field)))
+        mac.update(field)
+    return mac.digest()

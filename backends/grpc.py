@@ -5,7 +5,7 @@ messages down it; the peer's server reads them in order. No protobuf: methods ar
 generic handlers whose (de)serializers are the identity on bytes. The wire format
 (`_grpc_config.decode_frame`) is one gRPC message per *frame*::
 
-    prefix (24 bytes: magic, version, flags, tag, total size, header length) | header | payload
+    prefix (32 bytes: magic, version, flags, tag, sequence number, total size, header length) | header | payload
 
 A message of n bytes is cut into frames of at most `chunk_bytes` of payload (1 MiB by default);
 the first carries the collective's header and n. Frames are built straight from the caller's
@@ -23,11 +23,15 @@ that took a message still arriving, once it has arrived: a different header, or 
 different from the receive buffer's, fails the receive with `MismatchError` (the sender learns
 through the receiver's abort).
 
-Backpressure. Unmatched data kept for one source is bounded (`max_unmatched_bytes`, 256 MiB by
-default): beyond it the server stops reading that source's stream, HTTP/2 flow control stalls the
-sender, and its sends simply stay queued. Head-of-line blocking is the price: a receive that waits
-for a message queued *behind* more than that much unmatched data from the same source waits until
-the collective's deadline. The library's algorithms never get near it.
+Backpressure. Data kept for one source for receives not yet posted is bounded
+(`max_unmatched_bytes`, 256 MiB by default), counting every byte it holds: whole frames (prefix and
+header included), the header copy compared at match time and the Python objects of each frame and
+message. Beyond it the server stops reading that source's stream, HTTP/2 flow control stalls the
+sender, and its sends simply stay queued. A message that could never fit (its claimed size alone is
+over the limit) with no receive waiting for it is refused at once, naming the sender; the library's
+algorithms send segments far below the limit. Head-of-line blocking is the price: a receive that
+waits for a message queued *behind* more than that much unmatched data from the same source waits
+until the collective's deadline.
 
 Send completion. A send completes once its last frame has been copied out of the caller's
 buffer (MPI's "buffer reusable" semantics); `close` then flushes the stream before returning.
@@ -45,19 +49,49 @@ Failure handling.
   catches peers whose machine vanished.
 * A peer closing cleanly ends its stream; receives it can no longer satisfy fail the same way.
 
-Start-up. The constructor binds this rank's address (and only that one), then pings every peer
-with exponentially growing attempts until `startup_timeout`, naming the ranks and addresses that
-never answered. Pings also check that the peer is the rank the cluster says it is.
+Start-up. The constructor binds this rank's address (or ``bind``, e.g. ``0.0.0.0:2222`` where the
+listed name does not resolve yet), then greets every peer with exponentially growing attempts until
+`startup_timeout`, naming the ranks and addresses that never answered (and those whose names never
+resolved; gRPC re-resolves names every second). With TLS, a failed attempt is followed by a TLS
+handshake of this rank's own (Python's ``ssl``, same files), so that a certificate the peer does not
+trust fails at once with "TLS handshake with <address> failed: <reason>" rather than at the timeout.
 
-Security. With a shared secret (``COLLECTIVES_SECRET``) every call carries it as metadata and
-every handler checks it with `hmac.compare_digest`; a call without it or with a wrong one is
-refused with UNAUTHENTICATED and the server logs one warning per peer address. Without TLS the
-secret travels in clear text: it keeps strangers and stale jobs out, not eavesdroppers. TLS is
-enabled by certificate files (see `_grpc_config`). Garbage is refused with an error status and
-never crashes the server: unknown methods (UNIMPLEMENTED), frames over the message size limit
-(RESOURCE_EXHAUSTED), callers claiming an impossible rank or a rank that already has its stream
-(INVALID_ARGUMENT / FAILED_PRECONDITION) and malformed frames (INVALID_ARGUMENT; nothing is
-allocated from a claimed size, and the stream that carried them is dropped).
+Security (docs/security.md has the threat model). The shared secret never travels. Handshake, for
+rank c calling rank s, over two calls that carry everything in (size-bounded) metadata::
+
+    Hello   c -> s: c, size, nonce_c                     (no secret needed to ask)
+            s -> c: s, nonce_s, HMAC(K, "server")        c checks s's proof, else "authentication failed"
+    Stream  c -> s: c, nonce_c, nonce_s, HMAC(K, "client")   s checks c's proof before reading a frame
+
+    K = HMAC-SHA256(secret, c | s | size | nonce_c | nonce_s)
+
+Both nonces are fresh random bytes, the key is bound to both ranks in order (so the reverse
+direction has another key and a proof cannot be reflected) and the labels bind each proof to its
+direction. The server keeps no state per Hello (strangers could flood it): nonce_s carries a MAC
+under a key only its process knows, so the Stream call can be checked against the Hello that
+issued it. A rank accepts exactly one stream per peer for its lifetime, so a proof cannot be
+replayed either. A squatter on a rank's port sees only nonces, cannot answer with a valid proof and
+is refused by its caller. Abort notices are numbered and MACed under K (a replayed one is refused).
+Without a secret the same handshake runs under an empty key: it still checks identities, but
+anyone can complete it.
+
+After the handshake the stream itself is the proof: frames are not MACed one by one. HMAC-SHA256
+runs at about 0.5 GB/s per core on the development VM, as fast as this transport moves data, so
+MACing every frame on both sides would halve large transfers; an HTTP/2 stream cannot be joined by
+a third party without taking over its TCP connection, which is what TLS is for. Frames carry a
+per-stream sequence number instead, so a repeated or reordered message is refused with an error
+naming the sender.
+
+The server's gate (a gRPC interceptor) refuses an unauthenticated Stream or Abort call from its
+metadata alone, before gRPC reads its body; Hello and Abort bodies are never read; metadata is
+limited to `CONTROL_BYTES`; concurrent calls are bounded (more are refused with RESOURCE_EXHAUSTED);
+connections without calls are closed after `IDLE_CONNECTION_MS`; and gRPC's receive windows stay
+at their initial size (no BDP probing), so a refused call's body is not buffered either. Garbage is
+refused with an error status and never crashes the server: unknown methods (UNIMPLEMENTED), frames
+over the message size limit (RESOURCE_EXHAUSTED), callers claiming an impossible rank or a rank that
+already has its stream (INVALID_ARGUMENT / FAILED_PRECONDITION) and malformed frames
+(INVALID_ARGUMENT; nothing is allocated from a claimed size, and the stream that carried them is
+dropped). TLS is enabled by certificate files (see `_grpc_config`).
 
 Performance (2 ranks on the 2-core development VM, ring, float32 sum; see
 ``tests/grpc_scripts/bench_grpc.py``): 0.6-0.7 GB/s busbw at 16 MiB, 0.7-0.8 at 64 MiB, about
@@ -73,14 +107,18 @@ from __future__ import annotations
 
 import atexit
 import hmac
+import itertools
 import json
 import logging
 import os
 import queue
+import socket
+import ssl
+import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any, NoReturn
 
@@ -95,12 +133,19 @@ log = logging.getLogger(__name__)
 
 SERVICE = "collectives.Transport"
 _STREAM_METHOD = f"/{SERVICE}/Stream"
-_PING_METHOD = f"/{SERVICE}/Ping"
+_HELLO_METHOD = f"/{SERVICE}/Hello"
 _ABORT_METHOD = f"/{SERVICE}/Abort"
 
-SECRET_METADATA_KEY = "x-collectives-secret-bin"
 RANK_METADATA_KEY = "x-collectives-rank"
 SIZE_METADATA_KEY = "x-collectives-size"
+NONCE_METADATA_KEY = "x-collectives-nonce-bin"
+"""The caller's fresh nonce (Hello, Stream)."""
+SESSION_METADATA_KEY = "x-collectives-session-bin"
+"""The server's nonce, as its Hello answer issued it (Stream)."""
+PROOF_METADATA_KEY = "x-collectives-proof-bin"
+"""The caller's proof (Stream) or the abort notice's MAC (Abort)."""
+COUNTER_METADATA_KEY = "x-collectives-counter"
+NOTICE_METADATA_KEY = "x-collectives-notice-bin"
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 """Payload bytes per frame: the algorithms' default segment, so a segment travels as one frame.
@@ -110,15 +155,29 @@ MAX_FRAME_PAYLOAD_BYTES = 16 * 1024 * 1024
 """Frames up to this payload are accepted from peers whatever this rank's own `chunk_bytes`;
 larger ones are refused by gRPC (RESOURCE_EXHAUSTED) before any of this module sees them."""
 
+CONTROL_BYTES = 16 * 1024
+"""Limit on a call's metadata, which carries everything the control calls (Hello, Abort) say: their
+bodies are never read. Also the limit on any answer this rank accepts as a client."""
+MAX_ABORT_TEXT = 1500
+"""Characters of an abort notice's text that travel: JSON-escaped (up to 6 bytes a character) and
+base64-encoded as binary metadata, it stays within `CONTROL_BYTES`."""
+SERVER_COOKIE_BYTES = 16
+
 DEFAULT_MAX_UNMATCHED_BYTES = 256 * 1024 * 1024
 DEFAULT_STARTUP_TIMEOUT = 60.0
 ABORT_DEADLINE = 2.0
 """Seconds an abort notice may take to reach a peer; it is fire and forget."""
 MESSAGE_OVERHEAD_BYTES = 256
-"""Charged per unmatched message on top of its payload, so that floods of empty messages are
-bounded by `max_unmatched_bytes` too."""
+"""Charged per unmatched message on top of its frames and header, so that floods of empty
+messages are bounded by `max_unmatched_bytes` too."""
+FRAME_OVERHEAD_BYTES = 160
+"""Charged per held frame on top of its bytes: the Python objects that keep it (so a message cut
+into tiny frames is bounded too)."""
 CLOSE_FLUSH_SECONDS = 10.0
 """How long `close` waits for queued frames to reach the peers."""
+IDLE_CONNECTION_MS = 30_000
+"""The server closes connections that carry no call for this long (strangers' connections)."""
+TLS_PROBE_SECONDS = 2.0
 
 
 def _import_grpc() -> Any:
@@ -183,9 +242,10 @@ class _Request(LockRequest):
 class _Incoming:
     """A message that arrived (or is arriving) before its receive was posted."""
 
-    __slots__ = ("src", "tag", "header", "total", "parts", "received", "complete", "recv")
+    __slots__ = ("src", "tag", "header", "total", "parts", "received", "complete", "recv", "charged")
 
     def __init__(self, src: int, tag: int, header: bytes, total: int) -> None:
+        self.charged = 0  # bytes counted against the source's unmatched-data limit
         self.src = src
         self.tag = tag
         self.header = header
@@ -227,6 +287,84 @@ def _frame(head: bytes, data: np.ndarray) -> bytes:
     return b"".join((head, data.data))
 
 
+def _tls_handshake_failure(host: str, port: int, tls: wire.TlsFiles) -> str | None:
+    """Why a TLS handshake with the server at host:port, made with `tls` as gRPC makes it, fails;
+    None if it succeeds or nothing listens there yet."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if tls.ca is not None:
+        context.load_verify_locations(cadata=tls.ca.decode("ascii", "replace"))
+    else:
+        context.load_default_certs()
+    context.set_alpn_protocols(["h2"])
+    with tempfile.TemporaryDirectory() as directory:  # ssl reads a key pair from files only
+        certificate, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+        for path, data in ((certificate, tls.certificate), (key, tls.private_key)):
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
+                file.write(data)
+        context.load_cert_chain(certificate, key)
+    try:
+        raw = socket.create_connection((host, port), timeout=TLS_PROBE_SECONDS)
+    except OSError:
+        return None  # not listening yet: keep waiting
+    try:
+        with context.wrap_socket(raw, server_hostname=tls.server_name or host) as connection:
+            # TLS 1.3 servers refuse a client certificate after the handshake: read to hear it.
+            connection.settimeout(TLS_PROBE_SECONDS / 2)
+            try:
+                if connection.recv(1) == b"":
+                    return "the peer closed the connection after the handshake (does it trust this certificate?)"
+            except TimeoutError:
+                pass  # waiting for HTTP/2 from us, as a healthy server does
+    except ssl.SSLCertVerificationError as error:
+        return f"{error.verify_message} ({error.reason})"
+    except ssl.SSLEOFError:
+        return "the peer closed the connection during the handshake (does it trust this rank's certificate?)"
+    except ssl.SSLError as error:
+        return error.reason or str(error)
+    except OSError:
+        return None
+    return None
+
+
+def _held_bytes(data: memoryview) -> int:
+    """What keeping the frame `data` is a view of costs: the whole frame (prefix and header
+    included) plus its Python objects."""
+    return memoryview(data.obj).nbytes + FRAME_OVERHEAD_BYTES
+
+
+class _Refusal(Exception):
+    """A call the server refuses before reading anything of it but its metadata."""
+
+    def __init__(self, code: Any, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+        self.text = text
+
+
+class _Session:
+    """An authenticated connection from a peer: its key and the last abort counter it used."""
+
+    __slots__ = ("key", "last_abort")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.last_abort = 0
+
+
+class _Gate:
+    """Server interceptor: authenticates Stream and Abort calls from their metadata alone, so a
+    caller that cannot prove itself is refused before gRPC reads a byte of its body."""
+
+    def __init__(self, transport: GrpcTransport) -> None:
+        self._transport = weakref.ref(transport)
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        transport = self._transport()
+        if transport is None:
+            return None
+        return transport._admit(continuation, details)
+
+
 def _payload(parts: list[memoryview]) -> memoryview | bytes:
     if len(parts) == 1:
         return parts[0]
@@ -243,18 +381,23 @@ class GrpcTransport(Transport):
         rank: this rank.
         addresses: "host:port" of every rank, in rank order; this rank's server binds its own.
         host: node identity (see `_grpc_config`); default derived from this rank's address.
-        secret: shared secret every call must carry, or None to accept unauthenticated calls.
+        secret: shared secret every rank proves it holds (it never travels), or None for a world
+            anyone who reaches it can join.
         tls: certificate files for TLS, or None for plain text.
         startup_timeout: seconds to wait for every peer to answer before giving up.
         chunk_bytes: payload bytes per gRPC message.
-        max_unmatched_bytes: per source, data kept for receives not yet posted before the server
-            stops reading from that source (backpressure).
+        max_unmatched_bytes: per source, bytes held for receives not yet posted (frames, headers
+            and bookkeeping) before the server stops reading from that source (backpressure); a
+            message that could never fit is refused.
+        bind: "host:port" to listen on instead of this rank's address (e.g. "0.0.0.0:2222").
+        reuse_port: bind with SO_REUSEPORT, to take over a port the launcher holds that way.
 
     Raises:
         BackendUnavailableError: grpcio is not installed.
         ValueError: bad arguments.
         OSError: this rank's address cannot be bound.
-        PeerLostError: some peers did not answer within `startup_timeout` (names them).
+        PeerLostError: some peers did not answer within `startup_timeout` (names them), failed
+            authentication or the TLS handshake.
     """
 
     fuses_receive_reduce = False
@@ -270,6 +413,8 @@ class GrpcTransport(Transport):
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_unmatched_bytes: int = DEFAULT_MAX_UNMATCHED_BYTES,
+        bind: str | None = None,
+        reuse_port: bool = False,
     ) -> None:
         grpc = _import_grpc()
         self._grpc = grpc
@@ -280,6 +425,8 @@ class GrpcTransport(Transport):
             raise ValueError(f"rank must be in 0..{len(addresses) - 1}, got {rank!r}")
         for index, address in enumerate(addresses):
             wire.split_address(address, what=f"address of rank {index}")
+        if bind is not None:
+            wire.split_address(bind, what="bind address")
         if not 1 <= chunk_bytes <= MAX_FRAME_PAYLOAD_BYTES:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_FRAME_PAYLOAD_BYTES}, got {chunk_bytes}")
         if not startup_timeout > 0:
@@ -288,8 +435,10 @@ class GrpcTransport(Transport):
         self.size = len(addresses)
         self.addresses = addresses
         self.host = host if host is not None else wire.node_name(addresses[rank])
-        self._secret = secret.encode() if isinstance(secret, str) else secret
+        # Without a secret the same handshake runs under an empty key: anyone can complete it.
+        self._secret = (secret.encode() if isinstance(secret, str) else secret) or b""
         self._tls = tls
+        self._bind = bind or addresses[rank]
         self._chunk_bytes = int(chunk_bytes)
         self._max_unmatched = int(max_unmatched_bytes)
 
@@ -298,30 +447,50 @@ class GrpcTransport(Transport):
         self._matcher: Matcher[tuple[int, int], _Request, _Incoming] = Matcher()
         """Keyed by (source, tag): receives posted here, messages from peers that came before them."""
         self._unmatched_bytes = [0] * self.size
+        self._last_sequence = [0] * self.size  # per source: the number of its last message (they count from 1)
         self._landing: dict[int, _Landing] = {}  # per source: receives being filled frame by frame
         self._lost: dict[int, CollectiveError] = {}
         self._abort: tuple[int, str, str] | None = None
         self._closed = False
-        self._streams_in: set[int] = set()
+        self._sessions: dict[int, _Session] = {}  # per source: its one authenticated stream, for good
+        self._cookie_key = os.urandom(32)  # lets Hello stay stateless: see `_cookie`
+        self._keys: dict[int, bytes] = {}  # per peer: the key of this rank's session with it
+        self._abort_counter = itertools.count(1)
         self._warned_peers: set[str] = set()
         self._abort_calls: list[Any] = []
 
         frame_limit = self._chunk_bytes + wire.PREFIX.size + wire.MAX_HEADER_BYTES
         # Accept peers configured with larger frames (up to 16 MiB); refuse anything bigger.
         receive_limit = max(frame_limit, MAX_FRAME_PAYLOAD_BYTES + wire.PREFIX.size + wire.MAX_HEADER_BYTES)
-        self._options: list[tuple[str, int | str]] = [
-            ("grpc.max_send_message_length", frame_limit),
-            ("grpc.max_receive_message_length", receive_limit),
-            ("grpc.enable_retries", 0),  # retries would keep a copy of every frame
-            ("grpc.so_reuseport", 0),  # a port in use must fail, not be shared
+        common: list[tuple[str, int | str]] = [
+            ("grpc.max_metadata_size", CONTROL_BYTES),
+            ("grpc.absolute_max_metadata_size", CONTROL_BYTES),
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),
+        ]
+        self._channel_options: list[tuple[str, int | str]] = [
+            *common,
+            ("grpc.max_send_message_length", frame_limit),
+            ("grpc.max_receive_message_length", CONTROL_BYTES),  # peers only ever answer briefly
+            ("grpc.enable_retries", 0),  # retries would keep a copy of every frame
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.dns_min_time_between_resolutions_ms", 1000),  # a peer's name may resolve late
+        ]
+        self._server_options: list[tuple[str, int | str]] = [
+            *common,
+            ("grpc.max_receive_message_length", receive_limit),
+            ("grpc.max_send_message_length", CONTROL_BYTES),
+            # A port in use must fail, not be shared; unless the launcher holds it for this rank.
+            ("grpc.so_reuseport", int(reuse_port)),
+            ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
+            # Without it gRPC widens its receive windows to megabytes per call, and buffers that
+            # much of every stranger's call before the gate has refused it.
+            ("grpc.http2.bdp_probe", 0),
         ]
         self._server: Any | None = None  # a grpc.Server once started
         self._channels: dict[int, Any] = {}
@@ -346,7 +515,8 @@ class GrpcTransport(Transport):
         """Join the world described by the environment (COLLECTIVES_* or TF_CONFIG).
 
         See `collectives.backends._grpc_config` for the variables. ``COLLECTIVES_GRPC_CHUNK_BYTES`` optionally
-        overrides `chunk_bytes`; other keyword arguments go to the constructor.
+        overrides `chunk_bytes`; other keyword arguments go to the constructor. Without
+        ``COLLECTIVES_SECRET`` it logs one warning: anyone who reaches this rank could join the job.
 
         Raises:
             ValueError: a variable is missing or malformed (the message names it).
@@ -362,6 +532,14 @@ class GrpcTransport(Transport):
                     f"got {chunk_text!r}"
                 )
             options["chunk_bytes"] = int(chunk_text)
+        if config.secret is None:
+            log.warning(
+                "rank %d: %s is not set: any process that can reach %s can join or abort this job; "
+                "set it to the same random value on every rank",
+                config.rank,
+                wire.ENV_SECRET,
+                config.bind or config.addresses[config.rank],
+            )
         return cls(
             config.rank,
             config.addresses,
@@ -369,33 +547,40 @@ class GrpcTransport(Transport):
             secret=config.secret,
             tls=config.tls,
             startup_timeout=startup_timeout,
+            bind=config.bind,
+            reuse_port=config.reuse_port,
             **options,
         )
 
     # -- set-up -------------------------------------------------------------------------------------
 
-    def _metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        items: list[tuple[str, str | bytes]] = [
-            (RANK_METADATA_KEY, str(self.rank)),
-            (SIZE_METADATA_KEY, str(self.size)),
-        ]
-        if self._secret is not None:
-            items.append((SECRET_METADATA_KEY, self._secret))
-        return tuple(items)
+    def _identity(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The metadata saying who calls: this rank in a world of this size."""
+        return ((RANK_METADATA_KEY, str(self.rank)), (SIZE_METADATA_KEY, str(self.size)))
 
     def _start_server(self) -> None:
         grpc = self._grpc
+        # Hello and Abort never read their bodies (what they say is in the metadata, which gRPC
+        # bounds), so both are stream-unary handlers that leave the request stream alone.
         handlers = {
             "Stream": grpc.stream_unary_rpc_method_handler(self._serve_stream, _identity, _identity),
-            "Ping": grpc.unary_unary_rpc_method_handler(self._serve_ping, _identity, _identity),
-            "Abort": grpc.unary_unary_rpc_method_handler(self._serve_abort, _identity, _identity),
+            "Hello": grpc.stream_unary_rpc_method_handler(self._serve_hello, _identity, _identity),
+            "Abort": grpc.stream_unary_rpc_method_handler(self._serve_abort, _identity, _identity),
         }
         generic = grpc.method_handlers_generic_handler(SERVICE, handlers)
-        # One thread per incoming peer stream, plus room for pings, aborts and refused callers.
-        pool = futures.ThreadPoolExecutor(max_workers=self.size + 8, thread_name_prefix=f"collectives-grpc{self.rank}")
+        # Every peer's stream, an abort and a hello from each, and room for refused callers; more
+        # concurrent calls are refused (RESOURCE_EXHAUSTED) before they are read.
+        calls = 2 * self.size + 8
+        pool = futures.ThreadPoolExecutor(max_workers=calls, thread_name_prefix=f"collectives-grpc{self.rank}")
         self._pool = pool
-        self._server = grpc.server(pool, handlers=[generic], options=self._options)
-        address = self.addresses[self.rank]
+        self._server = grpc.server(
+            pool,
+            handlers=[generic],
+            interceptors=[_Gate(self)],
+            options=self._server_options,
+            maximum_concurrent_rpcs=calls,
+        )
+        address = self._bind
         try:
             if self._tls is not None:
                 credentials = grpc.ssl_server_credentials(
@@ -412,13 +597,17 @@ class GrpcTransport(Transport):
             raise OSError(f"rank {self.rank}: cannot listen on {address} (address in use or not local)")
         self._server.start()
 
+    def _target(self, peer: int) -> str:
+        """Where to reach `peer`: its address, except that a wildcard is reached through loopback."""
+        host, port = wire.split_address(self.addresses[peer], what=f"address of rank {peer}")
+        if host in ("0.0.0.0", "::"):
+            return f"127.0.0.1:{port}" if host == "0.0.0.0" else f"[::1]:{port}"
+        return self.addresses[peer]
+
     def _channel(self, peer: int) -> Any:
         grpc = self._grpc
-        target = self.addresses[peer]
-        host, port = wire.split_address(target, what=f"address of rank {peer}")
-        if host in ("0.0.0.0", "::"):  # a wildcard listener is reached through loopback
-            target = f"127.0.0.1:{port}" if host == "0.0.0.0" else f"[::1]:{port}"
-        options = list(self._options)
+        target = self._target(peer)
+        options = list(self._channel_options)
         if self._tls is not None:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=self._tls.ca,
@@ -431,13 +620,13 @@ class GrpcTransport(Transport):
         return grpc.insecure_channel(target, options=options)
 
     def _connect(self, startup_timeout: float) -> None:
-        """Ping every peer until it answers (backoff up to `startup_timeout`), then open streams."""
+        """Greet every peer until it answers (backoff up to `startup_timeout`), authenticate it
+        and open this rank's stream to it."""
         grpc = self._grpc
         deadline = time.monotonic() + startup_timeout
         peers = [peer for peer in range(self.size) if peer != self.rank]
         for peer in peers:
             self._channels[peer] = self._channel(peer)
-        request = json.dumps({"rank": self.rank, "size": self.size}).encode()
         waiting = set(peers)
         failures: dict[int, str] = {}
         attempt = 0.1
@@ -445,17 +634,10 @@ class GrpcTransport(Transport):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            calls = {}
-            for peer in waiting:
-                ping = self._channels[peer].unary_unary(
-                    _PING_METHOD, request_serializer=_identity, response_deserializer=_identity
-                )
-                calls[peer] = ping.future(
-                    request, timeout=min(attempt, remaining), metadata=self._metadata(), wait_for_ready=True
-                )
-            for peer, call in calls.items():
+            calls = {peer: self._hello(peer, min(attempt, remaining)) for peer in waiting}
+            for peer, (call, nonce) in calls.items():
                 try:
-                    answer = json.loads(call.result())
+                    answer = call.result()
                 except grpc.RpcError as error:
                     code = error.code()
                     if code in (
@@ -469,36 +651,95 @@ class GrpcTransport(Transport):
                             f"{code.name}: {error.details()}"
                         ) from None
                     failures[peer] = f"{code.name}: {error.details()}"
+                    if self._tls is not None:
+                        self._check_tls(peer, self._tls)
                     continue
-                except ValueError:
-                    failures[peer] = "answered with garbage"
-                    continue
-                if answer.get("rank") != peer or answer.get("size") != self.size:
-                    raise PeerLostError(
-                        f"rank {self.rank}: {self.addresses[peer]} answers as rank {answer.get('rank')} of "
-                        f"{answer.get('size')}, but the cluster lists it as rank {peer} of {self.size}"
-                    )
+                session, key = self._authenticate(peer, nonce, answer)
+                self._open_stream(peer, nonce, session, key)
                 waiting.discard(peer)
             attempt = min(attempt * 2, 5.0)
         if waiting:
             names = ", ".join(
-                f"rank {peer} at {self.addresses[peer]} ({failures.get(peer, 'no answer')})" for peer in sorted(waiting)
+                f"rank {peer} at {self.addresses[peer]} ({self._unresolved(peer) or failures.get(peer, 'no answer')})"
+                for peer in sorted(waiting)
             )
             raise PeerLostError(
                 f"rank {self.rank}: peers did not answer within the start-up timeout of {startup_timeout:g} s: {names}"
             )
-        for peer in peers:
-            self._open_stream(peer)
 
-    def _open_stream(self, peer: int) -> None:
+    def _hello(self, peer: int, timeout: float) -> tuple[Any, bytes]:
+        """Start the handshake with `peer`: a Hello call carrying a fresh nonce (and no body)."""
+        nonce = os.urandom(wire.NONCE_BYTES)
+        hello = self._channels[peer].stream_unary(
+            _HELLO_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        metadata = (*self._identity(), (NONCE_METADATA_KEY, nonce))
+        return hello.future(iter(()), timeout=timeout, metadata=metadata, wait_for_ready=True), nonce
+
+    def _authenticate(self, peer: int, nonce: bytes, answer: bytes) -> tuple[bytes, bytes]:
+        """Check `peer`'s answer to Hello: it must be the rank the cluster lists there, and prove
+        that it holds the secret. Returns (the server's nonce, the session key)."""
+        address = self.addresses[peer]
+        try:
+            reply = json.loads(answer)
+            rank, size = reply["rank"], reply["size"]
+            session, offered = bytes.fromhex(reply["session"]), bytes.fromhex(reply["proof"])
+        except (ValueError, KeyError, TypeError):
+            raise PeerLostError(
+                f"rank {self.rank}: authentication failed: {address} (listed as rank {peer}) answered the "
+                "handshake with something else than a collectives rank's answer"
+            ) from None
+        if rank != peer or size != self.size:
+            raise PeerLostError(
+                f"rank {self.rank}: {address} answers as rank {rank} of {size}, "
+                f"but the cluster lists it as rank {peer} of {self.size}"
+            )
+        key = wire.session_key(self._secret, self.rank, peer, self.size, nonce, session)
+        if not hmac.compare_digest(offered, wire.proof(key, b"server")):
+            raise PeerLostError(
+                f"rank {self.rank}: authentication failed: {address} (listed as rank {peer}) could not prove "
+                f"that it holds the shared secret ({wire.ENV_SECRET}); is another job or program on that port?"
+            )
+        return session, key
+
+    def _check_tls(self, peer: int, tls: wire.TlsFiles) -> None:
+        """Raise at once if a TLS handshake with `peer` fails (a peer not listening yet is fine).
+
+        gRPC keeps the reason of a failed handshake in its log and lets calls wait for their
+        deadline, so this rank tries the handshake itself with Python's ssl and the same files."""
+        host, port = wire.split_address(self._target(peer), what=f"address of rank {peer}")
+        reason = _tls_handshake_failure(host, port, tls)
+        if reason is not None:
+            raise PeerLostError(
+                f"rank {self.rank}: TLS handshake with {self.addresses[peer]} (rank {peer}) failed: {reason}"
+            )
+
+    def _unresolved(self, peer: int) -> str | None:
+        """Why `peer`'s address cannot be reached, if its name does not resolve."""
+        host, port = wire.split_address(self._target(peer), what=f"address of rank {peer}")
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as error:
+            return f"its name {host!r} did not resolve: {error}"
+        return None
+
+    def _open_stream(self, peer: int, nonce: bytes, session: bytes, key: bytes) -> None:
+        """Open this rank's one stream to `peer`, proving with it that this rank holds the secret."""
+        self._keys[peer] = key
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outboxes[peer] = outbox
         stream = self._channels[peer].stream_unary(
             _STREAM_METHOD, request_serializer=_identity, response_deserializer=_identity
         )
-        # Not wait_for_ready: the peer just answered a ping, and if it died since, the call must
-        # fail (marking it lost) rather than wait for it forever.
-        call = stream.future(self._frames(peer, outbox), metadata=self._metadata(), wait_for_ready=False)
+        metadata = (
+            *self._identity(),
+            (NONCE_METADATA_KEY, nonce),
+            (SESSION_METADATA_KEY, session),
+            (PROOF_METADATA_KEY, wire.proof(key, b"client")),
+        )
+        # Not wait_for_ready: the peer just answered, and if it died since, the call must fail
+        # (marking it lost) rather than wait for it forever.
+        call = stream.future(self._frames(peer, outbox), metadata=metadata, wait_for_ready=False)
         self._stream_calls[peer] = call
         call.add_done_callback(lambda done, peer=peer: self._stream_ended(peer, done))
 
@@ -525,6 +766,7 @@ class GrpcTransport(Transport):
     def _frames(self, peer: int, outbox: queue.SimpleQueue) -> Iterator[bytes]:
         """The request iterator of the stream to `peer`: frames of each queued send, in order."""
         chunk = self._chunk_bytes
+        sequence = 0  # numbers the messages on this stream, so that the peer can refuse replays
         while True:
             request = outbox.get()
             if request is None:
@@ -536,10 +778,10 @@ class GrpcTransport(Transport):
                 continue
             data = buf.view(np.uint8)
             total = data.nbytes
+            sequence += 1
             if total <= chunk:
-                frame = _frame(
-                    wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, request.tag, total, len(header)) + header, data
-                )
+                flags = wire.FLAG_FIRST | wire.FLAG_LAST
+                frame = _frame(wire.encode_prefix(flags, request.tag, sequence, total, len(header)) + header, data)
                 request._finish()
                 yield frame
                 continue
@@ -547,9 +789,8 @@ class GrpcTransport(Transport):
                 stop = min(start + chunk, total)
                 flags = (wire.FLAG_FIRST if start == 0 else 0) | (wire.FLAG_LAST if stop == total else 0)
                 first_header = header if start == 0 else b""
-                frame = _frame(
-                    wire.encode_prefix(flags, request.tag, total, len(first_header)) + first_header, data[start:stop]
-                )
+                prefix = wire.encode_prefix(flags, request.tag, sequence, total, len(first_header))
+                frame = _frame(prefix + first_header, data[start:stop])
                 if stop == total:
                     request._finish()
                 yield frame
@@ -602,9 +843,9 @@ class GrpcTransport(Transport):
                         return request
                     if not incoming.complete:
                         incoming.recv = request  # the arriving frames will complete it
+                        self._space.notify_all()  # its frames may now go on even without space
                         return request
-                    self._unmatched_bytes[src] -= incoming.total + MESSAGE_OVERHEAD_BYTES
-                    self._space.notify_all()
+                    self._release(incoming)
         if refusal is not None:
             request._finish(refusal)
         elif incoming is not None:  # a whole message it could take at once
@@ -631,11 +872,22 @@ class GrpcTransport(Transport):
         request._finish(error)
 
     def _hold(self, src: int, tag: int, header: bytes, total: int) -> _Incoming:
-        """Keep a message no receive was posted for, counting it against `src`'s limit. Lock held."""
+        """Keep a message no receive was posted for, counting its header (a copy of the one in its
+        first frame) and bookkeeping against `src`'s limit; its frames count as they come. Lock held."""
         incoming = _Incoming(src, tag, header, total)
         self._matcher.hold_message((src, tag), incoming)
-        self._unmatched_bytes[src] += total + MESSAGE_OVERHEAD_BYTES
+        self._charge(incoming, len(header) + MESSAGE_OVERHEAD_BYTES)
         return incoming
+
+    def _charge(self, incoming: _Incoming, nbytes: int) -> None:
+        """Count `nbytes` more held for `incoming` against its source's limit. Lock held."""
+        incoming.charged += nbytes
+        self._unmatched_bytes[incoming.src] += nbytes
+
+    def _release(self, incoming: _Incoming) -> None:
+        """A receive took `incoming` whole: its bytes no longer count. Lock held."""
+        self._unmatched_bytes[incoming.src] -= incoming.charged
+        self._space.notify_all()
 
     def _arrive_whole(self, src: int, tag: int, header: bytes, total: int, data: memoryview) -> None:
         """A message that came in one frame (or was sent to this rank itself)."""
@@ -646,19 +898,24 @@ class GrpcTransport(Transport):
             if recv is None:
                 incoming = self._hold(src, tag, header, total)
                 incoming.parts, incoming.received, incoming.complete = [data], total, True
+                self._charge(incoming, _held_bytes(data))
                 return
         self._deliver(recv, header, total, data)
 
     def _on_frame(self, src: int, frame: bytes) -> None:
         """Handle one frame of the stream from `src` (raises FrameError if it is malformed)."""
-        flags, tag, total, header, data = wire.decode_frame(frame)
+        flags, tag, sequence, total, header, data = wire.decode_frame(frame)
         landing = self._landing.get(src)
         if flags & wire.FLAG_FIRST:
             if landing is not None:
                 raise wire.FrameError("a message started before the previous one ended")
+            due = self._last_sequence[src] + 1
+            if sequence != due:
+                raise wire.FrameError(f"message number {sequence} where {due} was due (replayed or reordered)")
+            self._last_sequence[src] = sequence
             if flags & wire.FLAG_LAST and len(data) != total:
                 raise wire.FrameError(f"single-frame message carries {len(data)} of its {total} bytes")
-            self._wait_for_space(src, tag, total + MESSAGE_OVERHEAD_BYTES)
+            self._make_room(src, tag, total, header, data)
             if flags & wire.FLAG_LAST:
                 self._arrive_whole(src, tag, header, total, data)
             else:
@@ -666,18 +923,35 @@ class GrpcTransport(Transport):
             return
         if landing is None:
             raise wire.FrameError("continuation frame without a message in progress")
+        if sequence != self._last_sequence[src]:
+            raise wire.FrameError(f"frame of message {sequence} inside message {self._last_sequence[src]}")
         self._continue(src, landing, flags, tag, total, data)
 
-    def _wait_for_space(self, src: int, tag: int, incoming_bytes: int) -> None:
-        """Backpressure: stop reading from `src` while too much of its data waits unmatched
-        (unless this message has a receive waiting for it)."""
-        if self._unmatched_bytes[src] + incoming_bytes <= self._max_unmatched:
+    def _make_room(self, src: int, tag: int, total: int, header: bytes, data: memoryview) -> None:
+        """Backpressure for a new message from `src`: refuse one that could never be held, and stop
+        reading while too much of its data waits unmatched, unless a receive waits for this one."""
+        key = (src, tag)
+        if total + len(header) + MESSAGE_OVERHEAD_BYTES > self._max_unmatched:
+            with self._lock:
+                awaited = self._matcher.has_receive(key)
+            if not awaited:
+                raise wire.FrameError(
+                    f"rank {src} sent a message of {total} bytes (tag {tag}) that no receive awaits, more than "
+                    f"the {self._max_unmatched} bytes rank {self.rank} holds for a peer (max_unmatched_bytes)"
+                )
+        needed = len(header) + MESSAGE_OVERHEAD_BYTES + _held_bytes(data)
+        self._wait_for_space(src, needed, lambda: self._matcher.has_receive(key))
+
+    def _wait_for_space(self, src: int, needed: int, awaited: Callable[[], bool]) -> None:
+        """Stop reading from `src` while holding `needed` more bytes of its data would exceed its
+        limit, until `awaited()` says a receive waits for them (asked with the lock held)."""
+        if self._unmatched_bytes[src] + needed <= self._max_unmatched:
             return
         with self._lock:
             while (
                 self._unmatched_bytes[src] > 0
-                and self._unmatched_bytes[src] + incoming_bytes > self._max_unmatched
-                and not self._matcher.has_receive((src, tag))
+                and self._unmatched_bytes[src] + needed > self._max_unmatched
+                and not awaited()
                 and self._abort is None
                 and not self._closed
                 and src not in self._lost
@@ -706,8 +980,10 @@ class GrpcTransport(Transport):
     def _land(self, landing: _Landing, data: memoryview) -> None:
         recv, incoming = landing.recv, landing.incoming
         if incoming is not None:
-            incoming.parts.append(data)
-            incoming.received += len(data)
+            with self._lock:
+                incoming.parts.append(data)
+                incoming.received += len(data)
+                self._charge(incoming, _held_bytes(data))
         elif recv is not None:
             if recv.consume is not None:
                 landing.parts.append(data)
@@ -724,6 +1000,9 @@ class GrpcTransport(Transport):
         received = landing.offset + len(data)
         if received > total or (flags & wire.FLAG_LAST and received != total):
             raise wire.FrameError(f"message frames add up to {received} bytes, not {total}")
+        held = landing.incoming
+        if held is not None:
+            self._wait_for_space(src, _held_bytes(data), lambda: held.recv is not None)
         self._land(landing, data)
         if not flags & wire.FLAG_LAST:
             return
@@ -742,8 +1021,7 @@ class GrpcTransport(Transport):
             incoming.complete = True
             taker = incoming.recv
             if taker is not None:
-                self._unmatched_bytes[src] -= total + MESSAGE_OVERHEAD_BYTES
-                self._space.notify_all()
+                self._release(incoming)
         if taker is not None:
             self._deliver(taker, incoming.header, total, _payload(incoming.parts))
 
@@ -754,53 +1032,148 @@ class GrpcTransport(Transport):
         context.abort(code, details)  # raises, ending the handler
         raise RuntimeError(f"rank {self.rank}: grpc's ServicerContext.abort returned instead of ending the call")
 
-    def _caller(self, context: Any) -> int:
-        """The rank making the call being served. Refuses the call unless it carries the shared
-        secret (UNAUTHENTICATED) and claims to be a peer in a world of this size (INVALID_ARGUMENT)."""
-        metadata = dict(context.invocation_metadata() or ())
-        if self._secret is not None:
-            offered = metadata.get(SECRET_METADATA_KEY, b"")
-            offered_bytes = offered.encode() if isinstance(offered, str) else bytes(offered)
-            if not hmac.compare_digest(offered_bytes, self._secret):
-                peer = context.peer()
-                if peer not in self._warned_peers and len(self._warned_peers) < 1000:
-                    self._warned_peers.add(peer)
-                    log.warning(
-                        "rank %d: refused a call from %s without the right shared secret "
-                        "(COLLECTIVES_SECRET); is a stale or foreign job talking to this port?",
-                        self.rank,
-                        peer,
-                    )
-                self._refuse(context, self._grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared secret")
+    def _admit(self, continuation: Any, details: Any) -> Any:
+        """The interceptor's work: let Hello through (its handler checks the claims), refuse a
+        Stream or Abort call that does not prove it belongs to an authenticated session."""
+        method = details.method
+        if method not in (_STREAM_METHOD, _ABORT_METHOD):
+            return continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        try:
+            if method == _STREAM_METHOD:
+                self._admit_stream(metadata)
+            else:
+                self._admit_abort(metadata)
+        except _Refusal as refusal:
+            refused = refusal  # the name `refusal` ends with the except clause
+            return self._grpc.stream_unary_rpc_method_handler(
+                lambda requests, context: self._refuse_stranger(context, refused)
+            )
+        return continuation(details)
+
+    def _refuse_stranger(self, context: Any, refusal: _Refusal) -> NoReturn:
+        """End a call the gate refused, warning once per caller address (its body stays unread)."""
+        peer = context.peer()
+        if refusal.code == self._grpc.StatusCode.UNAUTHENTICATED:
+            with self._lock:
+                first = peer not in self._warned_peers and len(self._warned_peers) < 1000
+                self._warned_peers.add(peer)
+            if first:
+                log.warning(
+                    "rank %d: refused a call from %s: %s; is a stale or foreign job talking to this port, "
+                    "or does it have another shared secret (COLLECTIVES_SECRET)?",
+                    self.rank,
+                    peer,
+                    refusal.text,
+                )
+        self._refuse(context, refusal.code, refusal.text)
+
+    def _claimed_rank(self, metadata: Mapping[str, Any]) -> int:
+        """The rank a caller claims to be; refused unless it is a peer in a world of this size."""
         invalid = self._grpc.StatusCode.INVALID_ARGUMENT
-        text = metadata.get(RANK_METADATA_KEY)
-        size_text = metadata.get(SIZE_METADATA_KEY)
-        if text is None or size_text is None:
-            self._refuse(context, invalid, "missing rank/size metadata")
+        text, size_text = metadata.get(RANK_METADATA_KEY), metadata.get(SIZE_METADATA_KEY)
+        if not isinstance(text, str) or not isinstance(size_text, str):
+            raise _Refusal(invalid, "missing rank/size metadata")
         try:
             src, size = int(text), int(size_text)
         except ValueError:
-            self._refuse(context, invalid, f"bad rank/size metadata {text!r}/{size_text!r}")
+            raise _Refusal(invalid, f"bad rank/size metadata {text[:20]!r}/{size_text[:20]!r}") from None
         if size != self.size:
-            self._refuse(
-                context, invalid, f"caller is in a world of {size} ranks, this rank {self.rank} in one of {self.size}"
-            )
+            raise _Refusal(invalid, f"caller is in a world of {size} ranks, rank {self.rank} in one of {self.size}")
         if not 0 <= src < self.size or src == self.rank:
-            self._refuse(
-                context,
-                invalid,
-                f"caller claims to be rank {src}, not a peer of rank {self.rank} in a world of {self.size}",
+            raise _Refusal(
+                invalid, f"caller claims to be rank {src}, not a peer of rank {self.rank} in a world of {self.size}"
             )
         return src
 
-    def _serve_ping(self, request: bytes, context: Any) -> bytes:
-        self._caller(context)  # refuses strangers
-        return json.dumps({"rank": self.rank, "size": self.size}).encode()
+    @staticmethod
+    def _field(metadata: Mapping[str, Any], key: str, length: int | None = None) -> bytes:
+        """A binary metadata value (of `length` bytes, if given), or b"" when absent or malformed:
+        a proof compared with it then fails."""
+        value = metadata.get(key)
+        if not isinstance(value, bytes) or (length is not None and len(value) != length):
+            return b""
+        return value
 
-    def _serve_abort(self, request: bytes, context: Any) -> bytes:
-        src = self._caller(context)
+    def _cookie(self, src: int, client_nonce: bytes, server_random: bytes) -> bytes:
+        """Ties a server nonce to the Hello that asked for it, under a key only this process knows,
+        so that the Stream call can be checked without keeping state per Hello (which strangers
+        could flood)."""
+        mac = hmac.new(self._cookie_key, src.to_bytes(8, "little") + client_nonce + server_random, "sha256")
+        return mac.digest()[:SERVER_COOKIE_BYTES]
+
+    def _admit_stream(self, metadata: Mapping[str, Any]) -> None:
+        """Check a Stream call's proof, and that it is its caller's first; record the session."""
+        grpc = self._grpc
+        src = self._claimed_rank(metadata)
+        failed = _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"authentication failed for a caller claiming rank {src}")
+        nonce = self._field(metadata, NONCE_METADATA_KEY, wire.NONCE_BYTES)
+        session = self._field(metadata, SESSION_METADATA_KEY, wire.NONCE_BYTES + SERVER_COOKIE_BYTES)
+        offered = self._field(metadata, PROOF_METADATA_KEY)
+        if not (nonce and session and offered):
+            raise failed
+        server_random, cookie = session[: wire.NONCE_BYTES], session[wire.NONCE_BYTES :]
+        if not hmac.compare_digest(cookie, self._cookie(src, nonce, server_random)):
+            raise failed
+        key = wire.session_key(self._secret, src, self.rank, self.size, nonce, session)
+        if not hmac.compare_digest(offered, wire.proof(key, b"client")):
+            raise failed
+        with self._lock:
+            if src in self._sessions:
+                raise _Refusal(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"rank {src} already opened its stream to rank {self.rank}"
+                )
+            if self._closed:
+                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"rank {self.rank} is closing")
+            self._sessions[src] = _Session(key)
+
+    def _admit_abort(self, metadata: Mapping[str, Any]) -> None:
+        """Check an Abort call's MAC under its caller's session key, and that it is not a replay."""
+        grpc = self._grpc
+        src = self._claimed_rank(metadata)
+        failed = _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"authentication failed for a caller claiming rank {src}")
+        session = self._sessions.get(src)
+        counter_text = metadata.get(COUNTER_METADATA_KEY)
+        if session is None or not isinstance(counter_text, str) or not counter_text.isdigit():
+            raise failed
+        notice, offered = self._field(metadata, NOTICE_METADATA_KEY), self._field(metadata, PROOF_METADATA_KEY)
+        if not hmac.compare_digest(offered, wire.proof(session.key, b"abort", counter_text.encode(), notice)):
+            raise failed
+        with self._lock:
+            counter = int(counter_text)
+            if counter <= session.last_abort:
+                raise _Refusal(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"replayed abort notice from rank {src} (number {counter}, after {session.last_abort})",
+                )
+            session.last_abort = counter
+
+    def _serve_hello(self, requests: Iterator[bytes], context: Any) -> bytes:
+        """First half of the handshake: answer a caller's nonce with this rank's nonce and the proof
+        that this rank holds the secret (the caller proves itself when it opens its stream)."""
+        grpc = self._grpc
+        metadata = dict(context.invocation_metadata() or ())
         try:
-            notice = json.loads(request)
+            src = self._claimed_rank(metadata)
+        except _Refusal as refusal:
+            self._refuse(context, refusal.code, refusal.text)
+        nonce = metadata.get(NONCE_METADATA_KEY)
+        if not isinstance(nonce, bytes) or len(nonce) != wire.NONCE_BYTES:
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "missing or malformed nonce")
+        if src in self._sessions:
+            self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, f"rank {src} already has its stream here")
+        server_random = os.urandom(wire.NONCE_BYTES)
+        session = server_random + self._cookie(src, nonce, server_random)
+        key = wire.session_key(self._secret, src, self.rank, self.size, nonce, session)
+        proof = wire.proof(key, b"server").hex()
+        answer = {"rank": self.rank, "size": self.size, "session": session.hex(), "proof": proof}
+        return json.dumps(answer).encode()
+
+    def _serve_abort(self, requests: Iterator[bytes], context: Any) -> bytes:
+        metadata = dict(context.invocation_metadata() or ())
+        src = int(metadata[RANK_METADATA_KEY])  # checked by the gate
+        try:
+            notice = json.loads(metadata[NOTICE_METADATA_KEY])
             origin, kind, text = notice["origin"], notice["kind"], notice["text"]
             if not (
                 isinstance(origin, int)
@@ -812,22 +1185,12 @@ class GrpcTransport(Transport):
         except (ValueError, KeyError, TypeError):
             self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, "malformed abort notice")
         # Passed on to the other peers (not back to the origin or the sender).
-        self._aborted((origin, kind, text[: wire.MAX_HEADER_BYTES]), skip={origin, src})
+        self._aborted((origin, kind, text[:MAX_ABORT_TEXT]), skip={origin, src})
         return b""
 
     def _serve_stream(self, frames: Iterator[bytes], context: Any) -> bytes:
         grpc = self._grpc
-        src = self._caller(context)
-        refusal = None
-        with self._lock:
-            if src in self._streams_in:
-                refusal = f"rank {src} already has a stream open to rank {self.rank}"
-            elif self._closed:
-                refusal = f"rank {self.rank} is closing"
-            else:
-                self._streams_in.add(src)
-        if refusal is not None:
-            self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        src = int(dict(context.invocation_metadata())[RANK_METADATA_KEY])  # authenticated by the gate
         clean = False
         reason = "is unreachable (its stream to this rank broke)"
         try:
@@ -836,11 +1199,9 @@ class GrpcTransport(Transport):
             clean = True
             return b""
         except wire.FrameError as error:
-            reason = f"sent a malformed frame ({error})"
-            log.warning(
-                "rank %d: refused a malformed frame from %s claiming rank %d: %s", self.rank, context.peer(), src, error
-            )
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {error}")
+            reason = f"sent a frame this rank refused ({error})"
+            log.warning("rank %d: refused a frame from rank %d at %s: %s", self.rank, src, context.peer(), error)
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"refused frame: {error}")
         except grpc.RpcError:
             raise  # the peer's connection broke: reported as lost below
         except Exception as error:  # noqa: BLE001 - a bug here must not pass silently
@@ -851,7 +1212,6 @@ class GrpcTransport(Transport):
             cut_off = None
             with self._lock:
                 landing = self._landing.pop(src, None)
-                self._streams_in.discard(src)
                 if landing is not None:
                     cut_off = landing.receive()
                     held = landing.incoming
@@ -941,15 +1301,26 @@ class GrpcTransport(Transport):
         self._aborted((self.rank, abort_kind(error), str(error)), skip=set())
 
     def _broadcast_abort(self, notice: tuple[int, str, str], skip: set[int]) -> None:
-        """Send an abort notice to every other peer: fire and forget (`close` waits for them)."""
+        """Send an abort notice to every other peer: fire and forget (`close` waits for them). It
+        travels as metadata, numbered and MACed under the session key shared with that peer."""
         grpc = self._grpc
-        body = json.dumps({"origin": notice[0], "kind": notice[1], "text": notice[2]}).encode()
-        for peer, channel in self._channels.items():
+        origin, kind, text = notice
+        body = json.dumps({"origin": origin, "kind": kind, "text": text[:MAX_ABORT_TEXT]}).encode()
+        counter = str(next(self._abort_counter))
+        for peer, key in self._keys.items():
             if peer in skip or peer in self._lost:
                 continue
+            metadata = (
+                *self._identity(),
+                (COUNTER_METADATA_KEY, counter),
+                (NOTICE_METADATA_KEY, body),
+                (PROOF_METADATA_KEY, wire.proof(key, b"abort", counter.encode(), body)),
+            )
             try:
-                call = channel.unary_unary(_ABORT_METHOD, request_serializer=_identity, response_deserializer=_identity)
-                self._abort_calls.append(call.future(body, timeout=ABORT_DEADLINE, metadata=self._metadata()))
+                call = self._channels[peer].stream_unary(
+                    _ABORT_METHOD, request_serializer=_identity, response_deserializer=_identity
+                )
+                self._abort_calls.append(call.future(iter(()), timeout=ABORT_DEADLINE, metadata=metadata))
             except (grpc.RpcError, ValueError, RuntimeError):  # channel already closed
                 pass
 
@@ -988,6 +1359,8 @@ class GrpcTransport(Transport):
 
     def _shutdown_quietly(self) -> None:
         self._closed = True
+        for outbox in self._outboxes.values():
+            outbox.put(None)  # ends a stream whose start-up failed (harmless after `close`)
         for channel in self._channels.values():
             try:
                 channel.close()

@@ -32,7 +32,7 @@ ENV_WORLD_SIZE = "COLLECTIVES_WORLD_SIZE"
 ENV_ADDRESSES = "COLLECTIVES_ADDRESSES"
 """Comma-separated host:port of every rank, in rank order (gRPC)."""
 ENV_SECRET = "COLLECTIVES_SECRET"
-"""Shared secret every gRPC call must carry."""
+"""Shared secret every gRPC rank proves it holds; it never travels (docs/security.md)."""
 
 BACKENDS = ("mpi", "grpc", "threads")
 

@@ -4,7 +4,8 @@ Starts the ranks of a job on this machine, like `horovodrun` or `torchrun`:
 
 * gRPC (default): one process per rank, each given its rank, the world size, every rank's loopback
   address (free ports) and a fresh shared secret through the environment, so `collectives.init()`
-  finds them;
+  finds them. The launcher holds each port until its rank listens on it, so that no other user
+  can take it in between (`reserve_loopback_ports`);
 * MPI: hands the job to the `mpiexec` installed with the `mpi` extra.
 
 Every line a rank prints is prefixed with "[rank]". If a rank exits non-zero, the others are
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import secrets
 import shutil
@@ -25,9 +27,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
+from collectives.backends._grpc_config import ENV_REUSE_PORT
 from collectives.backends.base import ENV_RANKS_PER_NODE
 from collectives.bootstrap import ENV_ADDRESSES, ENV_BACKEND, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
 
@@ -46,6 +49,67 @@ def free_loopback_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
+            sock.close()
+
+
+def reserve_loopback_ports(count: int) -> list[socket.socket]:
+    """`count` sockets bound to distinct free ports of 127.0.0.1 with SO_REUSEPORT, not listening.
+
+    While one is open nobody else can bind its port: Linux shares a SO_REUSEPORT port only between
+    sockets of the same user that all set the option. The rank, told so by COLLECTIVES_REUSE_PORT=1,
+    binds it with SO_REUSEPORT as well; `_held_until_listening` closes each once its rank listens.
+    (Picking free ports and closing them, as before, let another user's program bind a port first
+    and be taken for the rank.)
+    """
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(("127.0.0.1", 0))
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _listening_loopback_ports() -> set[int] | None:
+    """The TCP ports something listens on (from /proc/net/tcp and tcp6), or None where unknown."""
+    rows: list[list[str]] = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as lines:
+                rows += [line.split() for line in lines.read().splitlines()[1:]]
+        except OSError:
+            return None
+    listening = "0A"
+    return {int(row[1].rsplit(":", 1)[1], 16) for row in rows if row[3] == listening}
+
+
+@contextlib.contextmanager
+def _held_until_listening(reservations: Sequence[socket.socket], poll_seconds: float = 0.05) -> Iterator[None]:
+    """Keep each reserved port until a socket listens on it (its rank's server), then let it go;
+    all are let go when the block ends. Where listening ports cannot be seen, they go at once."""
+    held = {sock.getsockname()[1]: sock for sock in reservations}
+    done = threading.Event()
+
+    def release() -> None:
+        while held and not done.wait(poll_seconds):
+            listening = _listening_loopback_ports()
+            for port in list(held):
+                if listening is None or port in listening:
+                    held.pop(port).close()
+
+    watcher = threading.Thread(target=release, name="collectives-port-reservations", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        for sock in held.values():
             sock.close()
 
 
@@ -213,9 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.ranks_per_node is not None:
             env[ENV_RANKS_PER_NODE] = str(args.ranks_per_node)
         return run_ranks([("", [mpiexec, "-prepend-rank", "-n", str(args.nprocs), *command], env)])
-    addresses = [f"127.0.0.1:{port}" for port in free_loopback_ports(args.nprocs)]
+    reservations = reserve_loopback_ports(args.nprocs)
+    addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in reservations]
     environments = grpc_rank_environments(addresses, ranks_per_node=args.ranks_per_node)
-    return run_ranks([(f"[{rank}] ", command, env) for rank, env in enumerate(environments)])
+    for env in environments:
+        env[ENV_REUSE_PORT] = "1"
+    with _held_until_listening(reservations):
+        return run_ranks([(f"[{rank}] ", command, env) for rank, env in enumerate(environments)])
 
 
 def grpc_rank_environments(

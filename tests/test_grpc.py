@@ -40,6 +40,7 @@ from collectives.backends.errors import (
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "grpc_scripts"))
 
+from certificates import HAVE_OPENSSL, make_certificates  # noqa: E402
 from grpc_world import World  # noqa: E402
 
 from collectives.launch import free_loopback_ports as free_ports  # noqa: E402
@@ -101,7 +102,12 @@ def test_ranks_per_node_and_host_names() -> None:
         "node1",
         "node1",
     ]
-    env = {"COLLECTIVES_RANK": "1", "COLLECTIVES_WORLD_SIZE": "2", "COLLECTIVES_ADDRESSES": "Alpha:1,beta.svc:2"}
+    env = {
+        "COLLECTIVES_RANK": "1",
+        "COLLECTIVES_WORLD_SIZE": "2",
+        "COLLECTIVES_ADDRESSES": "Alpha:1,beta.svc:2",
+        "COLLECTIVES_SECRET": "s",
+    }
     assert wire.load_config(env).host == "beta.svc"
     assert wire.node_name("[::1]:5") == wire.node_name("0.0.0.0:5") == socket.gethostname()
     assert wire.split_address("[fe80::1]:80", what="x") == ("fe80::1", 80)
@@ -110,7 +116,7 @@ def test_ranks_per_node_and_host_names() -> None:
 
 
 def tf_config(cluster: dict[str, Any], task: dict[str, Any]) -> dict[str, str]:
-    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": task})}
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": task}), "COLLECTIVES_SECRET": "s"}
 
 
 def test_tf_config_workers_and_chief() -> None:
@@ -164,12 +170,12 @@ def test_tls_needs_certificate_and_key(tmp_path: Path) -> None:
     [
         (b"", "shorter"),
         (b"\x00" * 100, "magic"),
-        (wire.PREFIX.pack(b"CF", 1, 8, 0, 0, 0), "flags"),
-        (wire.PREFIX.pack(b"CF", 1, 3, 0, 1 << 50, 0), "limit"),
-        (wire.PREFIX.pack(b"CF", 1, 3, 0, 10, 500) + b"x" * 10, "runs past"),
-        (wire.PREFIX.pack(b"CF", 1, 2, 0, 10, 4) + b"x" * 10, "header length"),
-        (wire.PREFIX.pack(b"CF", 1, 3, 0, 2, 0) + b"x" * 10, "more than"),
-        (wire.PREFIX.pack(b"CF", 1, 3, -5, 2, 0), "tag"),
+        (wire.PREFIX.pack(b"CF", 2, 8, 0, 1, 0, 0), "flags"),
+        (wire.PREFIX.pack(b"CF", 2, 3, 0, 1, 1 << 50, 0), "limit"),
+        (wire.PREFIX.pack(b"CF", 2, 3, 0, 1, 10, 500) + b"x" * 10, "runs past"),
+        (wire.PREFIX.pack(b"CF", 2, 2, 0, 1, 10, 4) + b"x" * 10, "header length"),
+        (wire.PREFIX.pack(b"CF", 2, 3, 0, 1, 2, 0) + b"x" * 10, "more than"),
+        (wire.PREFIX.pack(b"CF", 2, 3, -5, 1, 2, 0), "tag"),
     ],
 )
 def test_malformed_frames_are_rejected_by_the_parser(frame: bytes, words: str) -> None:
@@ -178,9 +184,9 @@ def test_malformed_frames_are_rejected_by_the_parser(frame: bytes, words: str) -
 
 
 def test_frame_round_trip() -> None:
-    frame = wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, 7, 3, 2) + b"hd" + b"abc"
-    flags, tag, total, header, payload = wire.decode_frame(frame)
-    assert (flags, tag, total, header, bytes(payload)) == (3, 7, 3, b"hd", b"abc")
+    frame = wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, 7, 5, 3, 2) + b"hd" + b"abc"
+    flags, tag, sequence, total, header, payload = wire.decode_frame(frame)
+    assert (flags, tag, sequence, total, header, bytes(payload)) == (3, 7, 5, 3, b"hd", b"abc")
 
 
 @requires_grpc
@@ -607,9 +613,11 @@ def test_wrong_secret_refuses_to_join() -> None:
         thread.start()
     for thread in threads:
         thread.join(30)
-    # The first rank refused says so; the other may instead find that rank gone already.
+    # Neither can prove that it holds the other's secret: the first to try says so, naming the
+    # other's address; the other may instead find that rank gone already.
     assert len(errors) == 2 and all(isinstance(e, PeerLostError) for e in errors), errors
-    assert any("refused to join: UNAUTHENTICATED" in str(e) for e in errors), errors
+    failed = [str(e) for e in errors if "authentication failed" in str(e)]
+    assert failed and all(any(address in text for address in addresses) for text in failed), errors
 
 
 @requires_grpc
@@ -624,65 +632,28 @@ def test_binds_only_its_own_address(world: list[Any]) -> None:
         GrpcTransport(0, [a.addresses[0], "127.0.0.1:1"], startup_timeout=1)
 
 
-class FakeRank:
-    """A stranger with the secret, listed as the last rank: answers pings, then sends garbage."""
-
-    def __init__(self, address: str, rank: int, size: int, secret: bytes) -> None:
-        from concurrent import futures
-
-        import grpc
-
-        from collectives.backends import grpc as transport
-
-        self.grpc, self.transport_module = grpc, transport
-        self.rank, self.size, self.secret = rank, size, secret
-        identity = lambda data: data  # noqa: E731
-
-        def ping(request: bytes, context: Any) -> bytes:
-            return json.dumps({"rank": rank, "size": size}).encode()
-
-        def drain(frames: Iterator[bytes], context: Any) -> bytes:
-            for _ in frames:
-                pass
-            return b""
-
-        handlers = {
-            "Ping": grpc.unary_unary_rpc_method_handler(ping, identity, identity),
-            "Stream": grpc.stream_unary_rpc_method_handler(drain, identity, identity),
-            "Abort": grpc.unary_unary_rpc_method_handler(lambda r, c: b"", identity, identity),
-        }
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(8), handlers=[grpc.method_handlers_generic_handler(transport.SERVICE, handlers)]
-        )
-        self.server.add_insecure_port(address)
-        self.server.start()
-
-    def send_frames(self, target: str, frames: list[bytes]) -> str:
-        grpc, module = self.grpc, self.transport_module
-        metadata = (
-            (module.SECRET_METADATA_KEY, self.secret),
-            (module.RANK_METADATA_KEY, str(self.rank)),
-            (module.SIZE_METADATA_KEY, str(self.size)),
-        )
-        with grpc.insecure_channel(target) as channel:
-            stream = channel.stream_unary(
-                "/collectives.Transport/Stream", request_serializer=lambda d: d, response_deserializer=lambda d: d
-            )
-            try:
-                stream(iter(frames), metadata=metadata, timeout=10)
-                return "OK"
-            except grpc.RpcError as error:
-                return error.code().name
-
-
 @requires_grpc
 def test_malformed_frames_are_refused_and_the_real_ranks_carry_on(caplog: pytest.LogCaptureFixture) -> None:
-    """Ranks 0 and 1 are real; rank 2 is a fake that sends malformed frames to rank 0."""
+    """Ranks 0 and 1 are real; ranks 2.. are fakes holding the secret, each sending one kind of
+    garbage to rank 0 down its one stream."""
+    from intruder import FakeRank, frame, send_frames
+
     from collectives.backends.grpc import GrpcTransport
 
     secret = b"k"
-    addresses = [f"127.0.0.1:{port}" for port in free_ports(3)]
-    fake = FakeRank(addresses[2], 2, 3, secret)
+    first = wire.encode_prefix(wire.FLAG_FIRST, 1, 1, 10_000, 1) + b"h" + b"x" * 10
+    garbage = [
+        [os.urandom(64)],
+        [frame(1, 1, total=1 << 45)],  # claims 32 TiB
+        [wire.encode_prefix(wire.FLAG_LAST, 1, 1, 3, 0) + b"abc"],  # continuation without a start
+        [first, wire.encode_prefix(wire.FLAG_LAST, 2, 1, 10_000, 0) + b"y" * 9990],  # another tag
+        [first, wire.encode_prefix(wire.FLAG_LAST, 1, 1, 10_000, 0) + b"y" * 20],  # short message
+        [first, wire.encode_prefix(0, 1, 1, 10_000, 0) + b"y" * 9995],  # frames beyond the claimed total
+        [first, wire.encode_prefix(wire.FLAG_LAST, 1, 2, 10_000, 0) + b"y" * 9990],  # another message's frame
+    ]
+    size = 2 + len(garbage)
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(size)]
+    fakes = [FakeRank(addresses[rank], rank, size, secret) for rank in range(2, size)]
     transports: list[Any] = [None, None]
 
     def build(rank: int) -> None:
@@ -695,19 +666,10 @@ def test_malformed_frames_are_refused_and_the_real_ranks_carry_on(caplog: pytest
         thread.join(30)
     a, b = transports
     try:
-        # The fake never opened its stream to rank 0, so rank 0 takes garbage claiming to be rank 2.
-        first = wire.encode_prefix(wire.FLAG_FIRST, 1, 10_000, 1) + b"h" + b"x" * 10
-        garbage = [
-            [os.urandom(64)],
-            [wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, 1, 1 << 45, 0)],  # claims 32 TiB
-            [wire.encode_prefix(wire.FLAG_LAST, 1, 3, 0) + b"abc"],  # continuation without a start
-            [first, wire.encode_prefix(wire.FLAG_LAST, 2, 10_000, 0) + b"y" * 9990],  # another tag
-            [first, wire.encode_prefix(wire.FLAG_LAST, 1, 10_000, 0) + b"y" * 20],  # short message
-        ]
         with caplog.at_level(logging.WARNING, logger="collectives.backends.grpc"):
-            codes = [fake.send_frames(addresses[0], frames) for frames in garbage]
+            codes = [send_frames(addresses[0], 2 + i, size, secret, frames) for i, frames in enumerate(garbage)]
         assert codes == ["INVALID_ARGUMENT"] * len(garbage), codes
-        assert "malformed frame" in caplog.text
+        assert "refused a frame from rank 2" in caplog.text
         # A claimed 32 TiB message allocated nothing and rank 0 still talks to rank 1.
         out = np.zeros(100_000)
         recv = a.irecv(out, 1, 8, H)
@@ -716,62 +678,14 @@ def test_malformed_frames_are_refused_and_the_real_ranks_carry_on(caplog: pytest
         np.testing.assert_array_equal(out, np.arange(100_000.0))
     finally:
         for transport in transports:
-            transport.close()
-        fake.server.stop(0)
-
-
-def make_certificates(directory: Path) -> dict[str, str]:
-    """A CA and a certificate for 127.0.0.1 signed by it (openssl CLI)."""
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60, cwd=directory)
-
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=test-ca",
-    )
-    (directory / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
-    run(
-        "x509",
-        "-req",
-        "-in",
-        "node.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "node.pem",
-        "-days",
-        "1",
-        "-extfile",
-        "ext.cnf",
-    )
-    return {
-        "COLLECTIVES_TLS_CERT": str(directory / "node.pem"),
-        "COLLECTIVES_TLS_KEY": str(directory / "node.key"),
-        "COLLECTIVES_TLS_CA": str(directory / "ca.pem"),
-    }
+            if transport is not None:
+                transport.close()
+        for fake in fakes:
+            fake.stop()
 
 
 @requires_grpc
-@pytest.mark.skipif(
-    not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(os.pathsep)),
-    reason="needs the openssl CLI",
-)
+@pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl CLI to make test certificates")
 def test_tls_world_and_plaintext_refused(tmp_path: Path) -> None:
     import grpc
 
@@ -786,9 +700,9 @@ def test_tls_world_and_plaintext_refused(tmp_path: Path) -> None:
         recv.wait(10)
         assert np.all(out == 1)
         with grpc.insecure_channel(a.addresses[0]) as channel:
-            ping = channel.unary_unary("/collectives.Transport/Ping")
+            hello = channel.unary_unary("/collectives.Transport/Hello")
             with pytest.raises(grpc.RpcError):
-                ping(b"{}", timeout=3)
+                hello(b"", timeout=3)
     finally:
         for transport in transports:
             transport.close()
@@ -889,18 +803,19 @@ def test_strangers_are_refused_and_the_world_still_works() -> None:
     world = run_world(2, ["intruders"])
     per_rank = results(world)
     codes = per_rank[0]["intruders"]["codes"]
-    assert {k: v for k, v in codes.items() if "secret" in k} == {
-        "ping_no_secret": "UNAUTHENTICATED",
-        "ping_wrong_secret": "UNAUTHENTICATED",
-        "stream_no_secret": "UNAUTHENTICATED",
-        "abort_wrong_secret": "UNAUTHENTICATED",
-    }
-    assert codes["stream_bad_rank"] == codes["stream_rank_out_of_range"] == codes["abort_garbage"] == "INVALID_ARGUMENT"
-    assert codes["stream_duplicate_rank"] == "FAILED_PRECONDITION"
-    assert codes["ping_oversized"] == "RESOURCE_EXHAUSTED"
-    assert codes["unknown_method"] == "UNIMPLEMENTED"
+    assert codes == {
+        "hello_no_claims": "INVALID_ARGUMENT",
+        "stream_no_proof": "UNAUTHENTICATED",
+        "stream_wrong_secret": "UNAUTHENTICATED",
+        "abort_forged": "UNAUTHENTICATED",
+        "stream_bad_rank": "INVALID_ARGUMENT",
+        "stream_rank_out_of_range": "INVALID_ARGUMENT",
+        "stream_oversized_unread": "UNAUTHENTICATED",
+        "unknown_method": "UNIMPLEMENTED",
+        "hello_duplicate_rank": "FAILED_PRECONDITION",
+    }, codes
     warnings = [line for line in world.outputs[1].splitlines() if "refused a call from ipv4:127.0.0.1:" in line]
-    assert warnings and "COLLECTIVES_SECRET" in warnings[0], world.outputs[1]
+    assert warnings and "authentication failed" in warnings[0], world.outputs[1]
     assert all("allreduce" in r and "collectives" in r for r in per_rank)
 
 

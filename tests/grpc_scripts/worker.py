@@ -116,6 +116,24 @@ def scenario_allreduce(comm: Communicator) -> None:
     emit(scenario="allreduce")
 
 
+def scenario_busy(comm: Communicator) -> None:
+    """All-reduces of 2 MiB, checked against a float64 reference, until the file WORKER_BUSY_UNTIL
+    exists (at most WORKER_BUSY_SECONDS): a job that keeps working while a test attacks it. Rank 0
+    decides when to stop, through the all-reduce itself, so every rank runs the same rounds."""
+    seconds = float(os.environ.get("WORKER_BUSY_SECONDS", "10"))
+    until = os.environ.get("WORKER_BUSY_UNTIL")
+    start, rounds, stop = time.monotonic(), 0, 0.0
+    while not stop:
+        rounds += 1
+        x = rank_input(comm.rank, 262_144, "float64", "sum", rounds)
+        done = time.monotonic() - start > seconds or (until is not None and os.path.exists(until))
+        result = comm.allreduce(np.append(x, float(comm.rank == 0 and done)), algorithm="ring")
+        check_close(result[:-1], expected(comm.size, 262_144, "float64", "sum", rounds), "float64", comm.size, "busy")
+        check_identical(comm, result, "busy")
+        stop = result[-1]
+    emit(scenario="busy", rounds=rounds)
+
+
 def scenario_mismatch(comm: Communicator) -> None:
     count = 1000 + (1 if comm.rank == 1 else 0)
     start = time.monotonic()
@@ -147,76 +165,58 @@ def scenario_kill(comm: Communicator) -> None:
 
 
 def _intrude(target: str, secret: str | None) -> dict[str, str]:
-    """Call the peer's server as a stranger would; return the status code of each attempt."""
+    """Call the peer's server as a stranger (and, with the secret, a confused insider) would; return
+    the status code of each attempt."""
     import grpc
+    from intruder import ABORT, HELLO, STREAM, hello, identity, stream_metadata
 
-    from collectives.backends.grpc import RANK_METADATA_KEY, SECRET_METADATA_KEY, SIZE_METADATA_KEY
+    from collectives.backends.grpc import (
+        COUNTER_METADATA_KEY,
+        NOTICE_METADATA_KEY,
+        PROOF_METADATA_KEY,
+        RANK_METADATA_KEY,
+        SIZE_METADATA_KEY,
+    )
 
-    identity = lambda data: data  # noqa: E731
     codes: dict[str, str] = {}
-    with grpc.insecure_channel(target) as channel:
-        ping = channel.unary_unary(
-            "/collectives.Transport/Ping", request_serializer=identity, response_deserializer=identity
-        )
-        stream = channel.stream_unary(
-            "/collectives.Transport/Stream", request_serializer=identity, response_deserializer=identity
-        )
-        abort = channel.unary_unary(
-            "/collectives.Transport/Abort", request_serializer=identity, response_deserializer=identity
-        )
-        unknown = channel.unary_unary(
-            "/collectives.Transport/Nope", request_serializer=identity, response_deserializer=identity
-        )
+    claims = ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2"))
+    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        calls = {
+            name: channel.stream_unary(method, request_serializer=identity, response_deserializer=identity)
+            for name, method in (
+                ("hello", HELLO),
+                ("stream", STREAM),
+                ("abort", ABORT),
+                ("nope", "/collectives.Transport/Nope"),
+            )
+        }
 
-        def attempt(name: str, call, request, metadata) -> None:
+        def attempt(name: str, method: str, metadata: tuple = (), body: list[bytes] | None = None) -> None:
             try:
-                call(request, metadata=metadata, timeout=5)
+                calls[method](iter(body or []), metadata=metadata, timeout=5)
                 codes[name] = "OK"
             except grpc.RpcError as error:
                 codes[name] = error.code().name
 
-        good = ((SECRET_METADATA_KEY, (secret or "").encode()),)
-        attempt("ping_no_secret", ping, b"{}", ())
-        attempt("ping_wrong_secret", ping, b"{}", ((SECRET_METADATA_KEY, b"wrong"),))
-        attempt("stream_no_secret", stream, iter([b"garbage"]), ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")))
-        attempt(
-            "abort_wrong_secret",
-            abort,
-            b'{"origin": 0, "kind": "lost", "text": "x"}',
-            ((SECRET_METADATA_KEY, b"nope"),),
-        )
+        # Rank 0 already has its stream here, so a stranger cannot even get a session to prove:
+        # it makes one up, as a proof made with a wrong secret would look.
+        made_up = stream_metadata(0, 2, os.urandom(32), os.urandom(48), b"not the key")
+        attempt("hello_no_claims", "hello")
+        attempt("stream_no_proof", "stream", claims, [b"garbage"])
+        attempt("stream_wrong_secret", "stream", made_up, [b"garbage"])
+        notice = b'{"origin": 0, "kind": "lost", "text": "x"}'
+        forged = (*claims, (COUNTER_METADATA_KEY, "99"), (NOTICE_METADATA_KEY, notice), (PROOF_METADATA_KEY, b"x" * 32))
+        attempt("abort_forged", "abort", forged)
+        attempt("stream_bad_rank", "stream", ((RANK_METADATA_KEY, "abc"), (SIZE_METADATA_KEY, "2")), [b"garbage"])
+        attempt("stream_rank_out_of_range", "stream", ((RANK_METADATA_KEY, "99"), (SIZE_METADATA_KEY, "2")))
+        attempt("stream_oversized_unread", "stream", claims, [b"x" * (17 * 1024 * 1024)])
+        attempt("unknown_method", "nope")
         if secret is not None:
-            attempt(
-                "stream_bad_rank",
-                stream,
-                iter([b"garbage"]),
-                good + ((RANK_METADATA_KEY, "abc"), (SIZE_METADATA_KEY, "2")),
-            )
-            attempt(
-                "stream_rank_out_of_range",
-                stream,
-                iter([b"garbage"]),
-                good + ((RANK_METADATA_KEY, "99"), (SIZE_METADATA_KEY, "2")),
-            )
-            attempt(
-                "stream_duplicate_rank",
-                stream,
-                iter([b"\x00" * 100]),
-                good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")),
-            )
-            attempt(
-                "abort_garbage",
-                abort,
-                b"\xff\xfe not json",
-                good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")),
-            )
-            attempt(
-                "ping_oversized",
-                ping,
-                b"x" * (17 * 1024 * 1024),
-                good + ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2")),
-            )
-            attempt("unknown_method", unknown, b"", good)
+            try:  # rank 0 already has its stream to this server: a second handshake is refused
+                hello(channel, 0, 2, secret.encode())
+                codes["hello_duplicate_rank"] = "OK"
+            except grpc.RpcError as error:
+                codes["hello_duplicate_rank"] = error.code().name
     host, port = target.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as raw:  # not even HTTP/2
         raw.sendall(b"\x00\xffGET / HTTP/1.1\r\n\r\n" + os.urandom(4096))
@@ -242,6 +242,7 @@ SCENARIOS = {
     "matrix": scenario_matrix,
     "collectives": scenario_collectives,
     "allreduce": scenario_allreduce,
+    "busy": scenario_busy,
     "mismatch": scenario_mismatch,
     "kill": scenario_kill,
     "intruders": scenario_intruders,
