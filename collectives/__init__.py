@@ -24,6 +24,7 @@ from collectives.backends.errors import (
     CollectiveError,
     CollectiveTimeoutError,
     CommunicatorBrokenError,
+    ConcurrentUseError,
     MismatchError,
     PeerLostError,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Communicator",
     "CommunicatorBrokenError",
+    "ConcurrentUseError",
     "DEFAULT_TIMEOUT",
     "MismatchError",
     "NATIVE",

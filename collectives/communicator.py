@@ -15,11 +15,16 @@ Every collective is a short composition of three parts:
 
 Blocking calls are the async ones plus `wait()`. Inputs are read, never written (unless `out` is
 the input); async callers must not modify an input until its `Work` is done.
+
+One communicator serves one issuer at a time: a thread's call while another thread is inside a
+blocking call raises `ConcurrentUseError` on every rank (the sequencer says why). Threads that
+communicate at the same time each use their own communicator, made with `dup()`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import time
@@ -99,6 +104,8 @@ class Communicator:
         self._autotune_pending = autotune
         self._work_space = np.empty(0, dtype=np.uint8)
         """Scratch kept between collectives (see `_reusable_work_space`)."""
+        self._duplicates = itertools.count()
+        """Numbers this communicator's `dup` calls, the same way on every rank."""
 
     # -- identity ---------------------------------------------------------------------------------
 
@@ -178,8 +185,7 @@ class Communicator:
             The reduced array (`out` if given), of x's shape and dtype.
         """
         with self._sequencer.blocking_call():
-            work = self.allreduce_async(x, op, algorithm, out)
-        return work.wait()
+            return self.allreduce_async(x, op, algorithm, out).wait()
 
     def allreduce_async(
         self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None
@@ -233,8 +239,7 @@ class Communicator:
             This rank's rows of the reduction, shape (rows_of_this_rank, *x.shape[1:]).
         """
         with self._sequencer.blocking_call():
-            work = self.reduce_scatter_async(x, op, out)
-        return work.wait()
+            return self.reduce_scatter_async(x, op, out).wait()
 
     def reduce_scatter_async(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> Work:
         """Start `reduce_scatter`; returns a `Work` whose result is this rank's block."""
@@ -268,8 +273,7 @@ class Communicator:
             Shape (size * x.shape[0], *x.shape[1:]); a 0-d `x` gives shape (size,).
         """
         with self._sequencer.blocking_call():
-            work = self.allgather_async(x, out)
-        return work.wait()
+            return self.allgather_async(x, out).wait()
 
     def allgather_async(self, x: Any, out: np.ndarray | None = None) -> Work:
         """Start `allgather`; returns a `Work` whose result is the concatenation."""
@@ -297,8 +301,7 @@ class Communicator:
         `out=x` broadcasts in place, like MPI_Bcast.
         """
         with self._sequencer.blocking_call():
-            work = self.broadcast_async(x, root, out)
-        return work.wait()
+            return self.broadcast_async(x, root, out).wait()
 
     def broadcast_async(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> Work:
         """Start `broadcast`; returns a `Work` whose result is the root's array."""
@@ -320,14 +323,49 @@ class Communicator:
     def barrier(self) -> None:
         """Return only after every rank has called `barrier`."""
         with self._sequencer.blocking_call():
-            work = self.barrier_async()
-        work.wait()
+            self.barrier_async().wait()
 
     def barrier_async(self) -> Work:
         """Start `barrier`; returns a `Work` whose result is None."""
         if self.size == 1:
             return completed_work(None)
         return self._sequencer.submit(b"barrier", lambda group: drive(group, dissemination_barrier_steps(group)))
+
+    # -- duplication ------------------------------------------------------------------------------
+
+    def dup(self) -> Communicator:
+        """A new communicator over the same ranks, with a call order, messages and failures of its own.
+
+        A collective: every rank calls it at the same place in its call order. One communicator
+        orders the collectives of one issuer, so threads that communicate at the same time take
+        one each, made before they start::
+
+            comms = [comm.dup() for _ in range(2)]  # on every rank, in the same order
+            threads = [threading.Thread(target=work, args=(c,)) for c in comms]
+
+        The duplicate has this one's timeout, segment size and algorithm choice (probes and tuning
+        included); closing or breaking one leaves the other working.
+
+        Raises:
+            NotImplementedError: the backend cannot duplicate its transport (threads and MPI can).
+        """
+        if not self._transport.duplicable:
+            raise NotImplementedError(
+                f"the {type(self._transport).__name__} backend cannot duplicate a communicator; "
+                f"call its collectives from one thread at a time instead"
+            )
+        key = next(self._duplicates)
+
+        def run(group: Group) -> Transport:
+            group.finish_agreement()  # every rank has reached this dup before any transport is made
+            return self._transport.dup(key)
+
+        with self._sequencer.blocking_call():
+            transport = self._sequencer.submit(b"dup", run).wait()
+        twin = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes)
+        twin._selector = self._selector
+        twin._autotune_pending = self._autotune_pending
+        return twin
 
     # -- algorithm selection ----------------------------------------------------------------------
 
