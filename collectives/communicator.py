@@ -213,7 +213,7 @@ class Communicator:
                 except TimeoutError:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: native all-reduce did not complete within {self.timeout:g} s "
-                        f"({group.header.decode(errors='replace')}); a rank never arrived, or is stuck or dead",
+                        f"({group.header.decode(errors='replace')}); {group.who_is_missing(None)}",
                         rank=self.rank,
                         peer=-1,
                         tag=group.tags.start,
