@@ -39,6 +39,7 @@ from collectives.algorithms.ring import ring_allgather_steps, ring_reduce_scatte
 from collectives.algorithms.tree import tree_broadcast_steps
 from collectives.arguments import (
     checked_root,
+    checked_timeout,
     collective_header,
     copy_back,
     flat_view,
@@ -89,12 +90,11 @@ class Communicator:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         autotune: bool = False,
     ) -> None:
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = checked_timeout(timeout)
         if segment_bytes < 1:
             raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
         self._transport = transport
-        self._sequencer = Sequencer(transport, float(timeout))
+        self._sequencer = Sequencer(transport, timeout)
         self.segment_bytes = int(segment_bytes)
         self.last_algorithm: str | None = None
         """The algorithm the most recent all-reduce call resolved to (after "auto")."""
@@ -119,8 +119,13 @@ class Communicator:
 
     @property
     def timeout(self) -> float:
-        """Seconds each collective may take before failing with `CollectiveTimeoutError`."""
+        """Seconds each collective may take before failing with `CollectiveTimeoutError`; may be
+        set (a positive, finite number) for the collectives called afterwards."""
         return self._sequencer.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._sequencer.timeout = checked_timeout(seconds)
 
     @property
     def node(self) -> int:
