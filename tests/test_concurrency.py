@@ -122,7 +122,7 @@ def test_duplicate_has_the_settings_and_fails_on_its_own() -> None:
 
 def test_dup_on_a_backend_that_cannot_says_so() -> None:
     comm = collectives.init("threads")
-    comm._transport.duplicable = False  # type: ignore[misc]  # stands in for a backend without dup
+    comm._transport.duplicable = False  # stands in for a backend without dup
     with pytest.raises(NotImplementedError, match="cannot duplicate"):
         comm.dup()
     comm.close()

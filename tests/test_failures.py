@@ -70,7 +70,12 @@ def test_failed_collective_breaks_the_communicator_from_its_own_tags() -> None:
         comm.barrier()
         transport = comm._transport
         abort = transport.abort
-        transport.abort = lambda error, since_tag=None: (aborts.append(since_tag), abort(error, since_tag))  # type: ignore[method-assign]
+
+        def recording_abort(error: BaseException, since_tag: int | None = None) -> None:
+            aborts.append(since_tag)
+            abort(error, since_tag)
+
+        transport.abort = recording_abort  # type: ignore[method-assign]
         try:
             comm.allreduce(np.ones(3 if comm.rank else 4))
         except CollectiveError as error:
