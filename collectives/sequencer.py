@@ -148,7 +148,7 @@ class Sequencer:
         self._last_submitted = 0
         self._abort_owed = False
         """Whether the transport must still be aborted for a failure found outside the running
-        collective (`_concurrent_use`); the next collective to run does it."""
+        collective (`_concurrent_use`); the collective running then does it as it finishes."""
         self._submit_lock = threading.Lock()
         self._turn = threading.Condition(self._submit_lock)
         self._blocking_call = _BlockingCall(self)
@@ -260,9 +260,15 @@ class Sequencer:
         if self._next_to_run > self._last_submitted:  # nothing running or queued: the transport is free
             self._break(error, self._next_to_run)
         else:
-            self._broken = self._broken or error
+            self._remember(error)
             self._abort_owed = True
         return error
+
+    def _remember(self, error: BaseException) -> None:
+        """Enter the broken state with `error`, unless already broken."""
+        if self._broken is None:
+            self._broken = error
+            log.error("rank %d: collective failed, communicator is now broken: %s", self._transport.rank, error)
 
     def _broken_refusal(self, cause: BaseException) -> CommunicatorBrokenError:
         return CommunicatorBrokenError(
@@ -298,9 +304,6 @@ class Sequencer:
         except BaseException as error:  # noqa: BLE001 - handed to the caller through Work
             if not isinstance(error, CommunicatorBrokenError):
                 self._break(error, task.seq)
-            elif self._abort_owed:
-                self._abort_owed = False
-                self._break(self._broken or error, task.seq)
             self._finish(task)
             task.work.set_exception(error)
         else:
@@ -314,11 +317,12 @@ class Sequencer:
         with self._turn:
             self._next_to_run = task.seq + 1
             self._turn.notify_all()
+            abort_owed, self._abort_owed = self._abort_owed, False
+        if abort_owed and self._broken is not None:  # broken by another thread while this one ran
+            self._break(self._broken, task.seq)  # later collectives, refused, never touch the transport
 
     def _break(self, error: BaseException, seq: int) -> None:
         """Remember the failure and make every peer fail fast instead of waiting for us, in
         collective number `seq` and after it (not in the ones before, which this rank completed)."""
-        if self._broken is None:
-            self._broken = error
-            log.error("rank %d: collective failed, communicator is now broken: %s", self._transport.rank, error)
+        self._remember(error)
         self._transport.abort(error, since_tag=collective_tags(seq % _TAG_WRAP, "the failed collective").start)
