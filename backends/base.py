@@ -17,7 +17,12 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
   pipelined hierarchical all-reduce); the default polls, a backend whose requests wake a
   waiter on completion (`WakingRequest`, `wait_first`: threads, gRPC) blocks without polling,
   and MPI polls all the requests in its own wait loop.
-* `abort(error)` tells every peer that this rank gives up, so they fail at once rather than wait.
+* `abort(error, since_tag)` tells every peer that this rank gives up, so they fail at once rather
+  than wait: every operation on `since_tag` (the first tag of the collective that failed) or a tag
+  after it; the operations of collectives before it, which this rank had completed, finish
+  normally, so that a slower peer still in one of them is not failed by a later collective's error.
+* Optionally (`duplicable = True`), `dup(key)` makes a new endpoint over the same ranks whose
+  messages, aborts and closing never touch this one's: what `Communicator.dup` builds on.
 * Optionally, `native_allreduce` runs the engine's own all-reduce (MPI_Allreduce, ncclAllReduce),
   offered to users as `algorithm="native"` for side-by-side comparison.
 * Optionally (`fuses_receive_reduce = True`), `irecv_reduce` hands the incoming message to a
@@ -251,9 +256,21 @@ class Transport(abc.ABC):
         """Seconds on the clock that collectives are timed with (monotonic, arbitrary origin)."""
         return time.perf_counter()
 
+    duplicable: bool = False
+    """Whether `dup` is available."""
+
+    def dup(self, key: int) -> Transport:
+        """A new endpoint over the same ranks, whose messages, aborts and closing are its own.
+
+        Collective: every rank calls it with the same `key`, once every rank is known to have
+        reached the call (no wait in it has a deadline of its own). Only for `duplicable` backends.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot duplicate its transport")
+
     @abc.abstractmethod
-    def abort(self, error: BaseException) -> None:
-        """Make every peer's pending and future operations with this fabric fail with `error`."""
+    def abort(self, error: BaseException, since_tag: int | None = None) -> None:
+        """Make every peer's pending and future operations on tags from `since_tag` on (all of
+        them with None, see `errors.abort_reaches`) fail with `error`."""
 
     @abc.abstractmethod
     def close(self) -> None:

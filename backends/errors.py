@@ -38,6 +38,16 @@ class CommunicatorBrokenError(CollectiveError):
     """The communicator failed earlier and refuses further work instead of hanging."""
 
 
+class ConcurrentUseError(CollectiveError):
+    """Two threads called collectives on one communicator at the same time.
+
+    Every rank must issue the collectives of a communicator in one order; threads racing each
+    other order them differently on different ranks, which pairs one thread's data with another's.
+    The communicator is broken on every rank instead; each thread needs a communicator of its own
+    (`Communicator.dup`).
+    """
+
+
 class BackendUnavailableError(CollectiveError, ImportError):
     """An optional dependency needed by a backend is not installed."""
 
@@ -57,6 +67,28 @@ class BackendUnavailableError(CollectiveError, ImportError):
 
 ABORT_MISMATCH = "mismatch"
 ABORT_LOST = "lost"
+
+LIBRARY_TAGS = 1 << 30
+"""Tags the library sends on lie in [0, LIBRARY_TAGS); a communicator's collectives take them in
+blocks, in call order, wrapping around at the end."""
+
+
+def abort_reaches(tag: int, since_tag: int | None) -> bool:
+    """Whether an abort that fails operations from `since_tag` on (None: all of them) fails one on `tag`.
+
+    A rank aborts because a collective failed; the collectives it had completed before it are
+    complete on its side, and a slower peer still finishing one of them (its `init()`, say) must be
+    able to. Their tags come before the failed collective's: within the half of the (circular)
+    tag space before `since_tag`.
+    """
+    return since_tag is None or (tag - since_tag) % LIBRARY_TAGS < LIBRARY_TAGS // 2
+
+
+def earlier_abort(first: int | None, second: int | None) -> int | None:
+    """The `since_tag` of two aborts that fails what either fails."""
+    if first is None or second is None:
+        return None
+    return second if abort_reaches(first, second) else first
 
 
 def abort_kind(error: BaseException) -> str:

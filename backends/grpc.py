@@ -180,6 +180,10 @@ IDLE_CONNECTION_MS = 30_000
 TLS_PROBE_SECONDS = 2.0
 
 
+_STREAM_ENDED = "is lost: its stream ended (it closed its transport, or its process exited or died)"
+"""Why a peer is gone when its stream ended without an error: a killed process's can end so too."""
+
+
 def _import_grpc() -> Any:
     try:
         import grpc
@@ -801,7 +805,7 @@ class GrpcTransport(Transport):
             return
         try:
             call.result()
-            reason = "closed its transport"
+            reason = _STREAM_ENDED
         except self._grpc.RpcError as error:
             code = error.code()
             reason = f"is unreachable ({code.name if code else 'unknown'}: {error.details()})"
@@ -1225,7 +1229,7 @@ class GrpcTransport(Transport):
                 self._peer_gone(
                     src,
                     f"rank {self.rank}: peer rank {src} at {self.addresses[src]} "
-                    + ("closed its transport" if clean else reason),
+                    + (_STREAM_ENDED if clean else reason),
                 )
 
     # -- failures -----------------------------------------------------------------------------------
@@ -1297,7 +1301,7 @@ class GrpcTransport(Transport):
         self._space.notify_all()
         return victims
 
-    def abort(self, error: BaseException) -> None:
+    def abort(self, error: BaseException, since_tag: int | None = None) -> None:  # fails everything: no since_tag
         self._aborted((self.rank, abort_kind(error), str(error)), skip=set())
 
     def _broadcast_abort(self, notice: tuple[int, str, str], skip: set[int]) -> None:

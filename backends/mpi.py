@@ -48,11 +48,13 @@ they oversubscribe the node's cores (a spinning rank would steal the core its pe
 streams sees the first completion as promptly as a single wait would.
 `TimeoutError` comes when the timeout is up, leaving the request pending as the contract says.
 
-Abort. Every rank keeps one `Irecv` posted from `ANY_SOURCE` on the reserved tag. `abort(error)`
-sends `abort_kind(error)` and the error's text to every other rank there (non-blocking, never
-waited for) and fails this rank's pending and later requests; a rank that receives a notice fails
-all its pending and later requests with `error_from_abort(origin, kind, text)`. Only the first
-rank to give up sends: a notice is never echoed. Requests failed this way, or by a mismatch, may
+Abort. Every rank keeps one `Irecv` posted from `ANY_SOURCE` on the reserved tag.
+`abort(error, since_tag)` sends `abort_kind(error)`, the first tag of the failed collective and the
+error's text to every other rank there (non-blocking, never waited for) and fails this rank's
+pending and later requests on that tag or later ones; a rank that receives a notice fails those of
+its own with `error_from_abort(origin, kind, text)`, and lets the requests of earlier collectives
+(ones the aborting rank had completed, such as a slow rank's `init()`) finish. Only the first rank
+to give up sends: a notice is never echoed. Requests failed this way, or by a mismatch, may
 still have MPI operations posted: receives are cancelled, sends are left to complete, and both
 stay referenced (with their buffers) until `close`, or for the life of the process if MPI cannot
 finish them, so MPI never writes into freed memory. For the same reason a transport that failed
@@ -108,7 +110,15 @@ from typing import Any
 import numpy as np
 
 from .base import Transport, check_buffer, emulated_host
-from .errors import BackendUnavailableError, CollectiveError, PeerLostError, abort_kind, error_from_abort
+from .errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    PeerLostError,
+    abort_kind,
+    abort_reaches,
+    earlier_abort,
+    error_from_abort,
+)
 from .matching import mismatch_error
 
 MAX_HEADER_BYTES = 512
@@ -124,6 +134,8 @@ _ENVELOPE_BYTES = _LENGTH_BYTES + _HEADER_LENGTH_BYTES + MAX_HEADER_BYTES + INLI
 _CONTROL_BYTES = 4096
 _SUSPECT = b"S"
 """Flag in an abort notice: the origin believes a peer may be dead (see `_abort_job_at_exit`)."""
+_ALL_TAGS = b"*"
+"""An abort notice's first failed tag when it fails every request."""
 _NAME_BYTES = 256
 _PREFIX_CACHE_ENTRIES = 4096
 
@@ -475,6 +487,8 @@ class MPITransport(Transport):
         self._live: set[Any] = set()
         self._parked: list[tuple[list[Any], Any, Any]] = []
         self._abort: tuple[int, str, str] | None = None
+        self._abort_since: int | None = None
+        """Requests on tags from here on fail once `_abort` is set (see `abort_reaches`)."""
         self._closed = False
         self._control_sends: list[tuple[Any, bytes]] = []
         self._control_buf = bytearray(_CONTROL_BYTES)
@@ -497,6 +511,15 @@ class MPITransport(Transport):
     def from_environment(cls, **kwargs: Any) -> MPITransport:
         """The transport of a process started by `mpiexec`, over a duplicate of COMM_WORLD."""
         return cls(_mpi().COMM_WORLD, **kwargs)
+
+    duplicable = True
+
+    def dup(self, key: int) -> MPITransport:
+        """A transport over a duplicate of this one's communicator (MPI orders duplications itself,
+        so `key` is not needed); it keeps this one's node identity and spin phase."""
+        transport = MPITransport(self._comm, spin_seconds=self.spin_seconds)
+        transport.host = self.host
+        return transport
 
     def _node_identity(self, MPI: Any) -> tuple[bool, str]:
         """(whether this node runs more ranks than they have cores, node name), agreed within
@@ -554,7 +577,7 @@ class MPITransport(Transport):
             raise ValueError(f"rank {self.rank}: peer {peer} is outside the world of size {self.size}")
 
     def isend(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> Any:
-        if self._abort is not None or self._closed:
+        if (self._abort is not None and abort_reaches(tag, self._abort_since)) or self._closed:
             return _Failed(self._stopped())
         check_buffer(buf)
         self._check_peer(dst)
@@ -578,7 +601,7 @@ class MPITransport(Transport):
         return request
 
     def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> Any:
-        if self._abort is not None or self._closed:
+        if (self._abort is not None and abort_reaches(tag, self._abort_since)) or self._closed:
             return _Failed(self._stopped())
         check_buffer(buf)
         if not buf.flags.writeable:
@@ -669,19 +692,21 @@ class MPITransport(Transport):
             return
         origin = self._control_status.Get_source()
         length = self._control_status.Get_count(self._byte)
-        kind, _, rest = bytes(self._control_buf[:length]).partition(b"\0")
-        suspect, _, text = rest.partition(b"\0")
+        kind, suspect, since, text = bytes(self._control_buf[:length]).split(b"\0", 3)
         notice = self._abort = (origin, kind.decode(errors="replace"), text.decode(errors="replace"))
+        self._abort_since = None if since == _ALL_TAGS else int(since)
         if suspect == _SUSPECT:
             _note_lost(f"rank {origin} reported a lost peer", self._comm)
         self._fail_pending(notice)
 
     def _fail_pending(self, notice: tuple[int, str, str]) -> None:
-        """Fail every pending request with the abort `notice` (origin, kind, text)."""
+        """Fail every pending request the abort `notice` (origin, kind, text) reaches."""
+        since = self._abort_since
         for request in list(self._live):
-            request._fail(error_from_abort(*notice, rank=self.rank))
+            if isinstance(request, _Native) or abort_reaches(request.tag, since):
+                request._fail(error_from_abort(*notice, rank=self.rank))
 
-    def abort(self, error: BaseException) -> None:
+    def abort(self, error: BaseException, since_tag: int | None = None) -> None:
         if self._closed:
             return
         self._check_control()
@@ -690,10 +715,13 @@ class MPITransport(Transport):
             kind = abort_kind(error)
             text = str(error)
             notice = self._abort = (self.rank, kind, text)
+            self._abort_since = since_tag
             if isinstance(error, TimeoutError):  # a peer did not answer: it may be dead
                 _note_lost(f"rank {self.rank}: {type(error).__name__}", self._comm)
             suspect = _SUSPECT if _LOST is not None else b"-"
-            message = (kind.encode() + b"\0" + suspect + b"\0" + text.encode(errors="replace"))[:_CONTROL_BYTES]
+            since = _ALL_TAGS if since_tag is None else str(since_tag).encode()
+            fields = (kind.encode(), suspect, since, text.encode(errors="replace"))
+            message = b"\0".join(fields)[:_CONTROL_BYTES]
             for peer in range(self.size):
                 if peer != self.rank:
                     try:
@@ -701,6 +729,8 @@ class MPITransport(Transport):
                     except _MPI.Exception:
                         continue
                     self._control_sends.append((request, message))
+        else:  # this rank gives up on what it was doing too
+            self._abort_since = earlier_abort(self._abort_since, since_tag)
         self._fail_pending(notice)
 
     # -- native all-reduce ----------------------------------------------------------------------

@@ -640,7 +640,7 @@ class SimulatedTransport(Transport):
         """This rank's virtual time, in seconds."""
         return self.sim.clock(self.rank)
 
-    def abort(self, error: BaseException) -> None:
+    def abort(self, error: BaseException, since_tag: int | None = None) -> None:  # fails everything: no since_tag
         self.sim.abort(self.rank, error)
 
     def close(self) -> None:

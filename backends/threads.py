@@ -9,7 +9,11 @@ ranks except through messages, so an algorithm that is correct here is correct o
 
 The fabric is also where failures propagate: `abort` wakes every pending request of every rank with
 the error, and later posts fail at once, which is how `run_threads` guarantees no rank hangs after
-another one raised.
+another one raised. An abort for a failed collective spares the operations of the collectives
+before it (`abort_reaches`), so that a slower rank still finishing one of them can.
+
+`ThreadTransport.dup` gives every rank an endpoint of a fabric of its own (`ThreadFabric.derived`),
+which is how a communicator is duplicated.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from .base import Consume, LockRequest, Transport, check_buffer, wait_first
-from .errors import MismatchError, PeerLostError, abort_kind, error_from_abort, post_refusal
+from .errors import (
+    MismatchError,
+    PeerLostError,
+    abort_kind,
+    abort_reaches,
+    earlier_abort,
+    error_from_abort,
+    post_refusal,
+)
 from .matching import Matcher, check, receive_payload
 
 _SEND = "send"
@@ -41,6 +53,10 @@ class ThreadFabric:
         completed as soon as it is matched."""
         self._closed: set[int] = set()
         self._abort: tuple[int, str, str] | None = None
+        self._abort_since: int | None = None
+        """Operations on tags from here on fail (see `abort_reaches`)."""
+        self._derived: dict[int, tuple[ThreadFabric, set[int]]] = {}
+        """Fabrics being handed out by `derived`, with the ranks that have taken theirs."""
 
     def endpoint(self, rank: int) -> ThreadTransport:
         """The transport of one rank."""
@@ -56,7 +72,8 @@ class ThreadFabric:
         request = LockRequest(kind, rank, peer, tag, buf, header, consume)
         with self._lock:
             if self._abort is not None or self._closed:
-                failure = post_refusal(self._abort, self._closed, rank, peer)
+                abort = self._abort if abort_reaches(tag, self._abort_since) else None
+                failure = post_refusal(abort, self._closed, rank, peer)
                 if failure is not None:
                     request._finish(failure)
                     return request
@@ -70,15 +87,33 @@ class ThreadFabric:
         _deliver(send, recv)
         return request
 
-    def abort(self, origin: int, error: BaseException) -> None:
-        """Fail every pending and future request of every rank with `error` from `origin`."""
+    def abort(self, origin: int, error: BaseException, since_tag: int | None = None) -> None:
+        """Fail every pending and future request of every rank on tags from `since_tag` on (all
+        with None) with `error` from `origin`; the first abort's error is the one reported."""
+
+        def reached(request: LockRequest) -> bool:
+            return abort_reaches(request.tag, self._abort_since)
+
         with self._lock:
             if self._abort is None:
                 self._abort = (origin, abort_kind(error), str(error))
-            receives, sends = self._matcher.drain()
+                self._abort_since = since_tag
+            else:
+                self._abort_since = earlier_abort(self._abort_since, since_tag)
+            receives, sends = self._matcher.withdraw(reached, reached)
             abort = self._abort
         for request in receives + sends:
             request._finish(error_from_abort(*abort, rank=request.rank))
+
+    def derived(self, key: int, rank: int) -> ThreadFabric:
+        """The fabric every rank gets for the same `key`: made by the first rank to ask, forgotten
+        once every rank has taken it (so a key may be used again afterwards)."""
+        with self._lock:
+            fabric, takers = self._derived.setdefault(key, (ThreadFabric(self.hosts), set()))
+            takers.add(rank)
+            if len(takers) == self.size:
+                del self._derived[key]
+        return fabric
 
     def close(self, rank: int) -> None:
         """Close one rank's endpoint; requests that involve it fail instead of waiting forever."""
@@ -133,8 +168,15 @@ class ThreadTransport(Transport):
     def irecv_reduce(self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Consume) -> LockRequest:
         return self.fabric.post(_RECV, self.rank, src, tag, buf, header, consume)
 
-    def abort(self, error: BaseException) -> None:
-        self.fabric.abort(self.rank, error)
+    duplicable = True
+
+    def dup(self, key: int) -> ThreadTransport:
+        transport = self.fabric.derived(key, self.rank).endpoint(self.rank)
+        transport.host = self.host
+        return transport
+
+    def abort(self, error: BaseException, since_tag: int | None = None) -> None:
+        self.fabric.abort(self.rank, error, since_tag)
 
     def close(self) -> None:
         self.fabric.close(self.rank)

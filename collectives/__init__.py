@@ -24,6 +24,7 @@ from collectives.backends.errors import (
     CollectiveError,
     CollectiveTimeoutError,
     CommunicatorBrokenError,
+    ConcurrentUseError,
     MismatchError,
     PeerLostError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Communicator",
     "CommunicatorBrokenError",
+    "ConcurrentUseError",
     "DEFAULT_TIMEOUT",
     "MismatchError",
     "NATIVE",

@@ -12,6 +12,7 @@ message of the collective carries, so that ranks that called differently find ou
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,20 @@ def transfer_input(x: Any) -> np.ndarray:
     if src.dtype.hasobject or src.dtype.kind not in "biufc":
         raise TypeError(f"cannot communicate arrays of dtype {src.dtype}; use a numeric dtype")
     return src
+
+
+def checked_timeout(seconds: Any) -> float:
+    """`seconds` as a float, if it is a positive, finite number of seconds.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: zero, negative, infinite or NaN (a collective must have a deadline).
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(seconds).__name__}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {seconds!r}")
+    return float(seconds)
 
 
 def checked_root(root: Any, size: int) -> int:
@@ -99,8 +114,18 @@ def collective_header(
 
 
 def _as_array(x: Any) -> np.ndarray:
-    """The input as a numpy array, or a TypeError saying what was expected."""
+    """The input as a numpy array, or a TypeError saying what was expected.
+
+    Masked arrays are refused: the mask would not travel, and masked entries would be reduced
+    and sent like any other.
+    """
     if isinstance(x, np.ndarray):
+        if type(x) is not np.ndarray and isinstance(x, np.ma.MaskedArray):
+            raise TypeError(
+                "collectives do not take numpy.ma.MaskedArray: the mask would be ignored; pass "
+                "arr.filled(value) with a value that is neutral for the operation (0 for a sum), "
+                "or send the data (arr.data) and the mask (arr.mask) separately"
+            )
         return x
     if hasattr(x, "__array__") or isinstance(x, (int, float, list, tuple)):
         return np.asarray(x)

@@ -15,11 +15,16 @@ Every collective is a short composition of three parts:
 
 Blocking calls are the async ones plus `wait()`. Inputs are read, never written (unless `out` is
 the input); async callers must not modify an input until its `Work` is done.
+
+One communicator serves one issuer at a time: a thread's call while another thread is inside a
+blocking call raises `ConcurrentUseError` on every rank (the sequencer says why). Threads that
+communicate at the same time each use their own communicator, made with `dup()`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import time
@@ -35,6 +40,7 @@ from collectives.algorithms.ring import ring_allgather_steps, ring_reduce_scatte
 from collectives.algorithms.tree import tree_broadcast_steps
 from collectives.arguments import (
     checked_root,
+    checked_timeout,
     collective_header,
     copy_back,
     flat_view,
@@ -85,12 +91,11 @@ class Communicator:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         autotune: bool = False,
     ) -> None:
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = checked_timeout(timeout)
         if segment_bytes < 1:
             raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
         self._transport = transport
-        self._sequencer = Sequencer(transport, float(timeout))
+        self._sequencer = Sequencer(transport, timeout)
         self.segment_bytes = int(segment_bytes)
         self.last_algorithm: str | None = None
         """The algorithm the most recent all-reduce call resolved to (after "auto")."""
@@ -100,6 +105,8 @@ class Communicator:
         self._autotune_pending = autotune
         self._work_space = np.empty(0, dtype=np.uint8)
         """Scratch kept between collectives (see `_reusable_work_space`)."""
+        self._duplicates = itertools.count()
+        """Numbers this communicator's `dup` calls, the same way on every rank."""
 
     # -- identity ---------------------------------------------------------------------------------
 
@@ -113,8 +120,13 @@ class Communicator:
 
     @property
     def timeout(self) -> float:
-        """Seconds each collective may take before failing with `CollectiveTimeoutError`."""
+        """Seconds each collective may take before failing with `CollectiveTimeoutError`; may be
+        set (a positive, finite number) for the collectives called afterwards."""
         return self._sequencer.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._sequencer.timeout = checked_timeout(seconds)
 
     @property
     def node(self) -> int:
@@ -191,8 +203,7 @@ class Communicator:
             The reduced array (`out` if given), of x's shape and dtype.
         """
         with self._sequencer.blocking_call():
-            work = self.allreduce_async(x, op, algorithm, out)
-        return work.wait()
+            return self.allreduce_async(x, op, algorithm, out).wait()
 
     def allreduce_async(
         self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None
@@ -220,7 +231,7 @@ class Communicator:
                 except TimeoutError:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: native all-reduce did not complete within {self.timeout:g} s "
-                        f"({group.header.decode(errors='replace')}); a rank never arrived, or is stuck or dead",
+                        f"({group.header.decode(errors='replace')}); {group.who_is_missing(None)}",
                         rank=self.rank,
                         peer=-1,
                         tag=group.tags.start,
@@ -246,8 +257,7 @@ class Communicator:
             This rank's rows of the reduction, shape (rows_of_this_rank, *x.shape[1:]).
         """
         with self._sequencer.blocking_call():
-            work = self.reduce_scatter_async(x, op, out)
-        return work.wait()
+            return self.reduce_scatter_async(x, op, out).wait()
 
     def reduce_scatter_async(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> Work:
         """Start `reduce_scatter`; returns a `Work` whose result is this rank's block."""
@@ -281,8 +291,7 @@ class Communicator:
             Shape (size * x.shape[0], *x.shape[1:]); a 0-d `x` gives shape (size,).
         """
         with self._sequencer.blocking_call():
-            work = self.allgather_async(x, out)
-        return work.wait()
+            return self.allgather_async(x, out).wait()
 
     def allgather_async(self, x: Any, out: np.ndarray | None = None) -> Work:
         """Start `allgather`; returns a `Work` whose result is the concatenation."""
@@ -310,8 +319,7 @@ class Communicator:
         `out=x` broadcasts in place, like MPI_Bcast.
         """
         with self._sequencer.blocking_call():
-            work = self.broadcast_async(x, root, out)
-        return work.wait()
+            return self.broadcast_async(x, root, out).wait()
 
     def broadcast_async(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> Work:
         """Start `broadcast`; returns a `Work` whose result is the root's array."""
@@ -333,8 +341,7 @@ class Communicator:
     def barrier(self) -> None:
         """Return only after every rank has called `barrier`."""
         with self._sequencer.blocking_call():
-            work = self.barrier_async()
-        work.wait()
+            self.barrier_async().wait()
 
     def barrier_async(self) -> Work:
         """Start `barrier`; returns a `Work` whose result is None."""
@@ -360,8 +367,7 @@ class Communicator:
             as an int64 array of length `size`).
         """
         with self._sequencer.blocking_call():
-            work = self.alltoall_async(x, send_counts)
-        return work.wait()
+            return self.alltoall_async(x, send_counts).wait()
 
     def alltoall_async(self, x: Any, send_counts: Any = None) -> Work:
         """Start `alltoall`; returns a `Work` whose result is (received rows, received counts)."""
@@ -394,6 +400,42 @@ class Communicator:
 
         header = f"alltoall algorithm=pairwise dtype={src.dtype} row_shape={row_shape}".encode()
         return self._sequencer.submit(header, run)
+
+    # -- duplication ------------------------------------------------------------------------------
+
+    def dup(self) -> Communicator:
+        """A new communicator over the same ranks, with a call order, messages and failures of its own.
+
+        A collective: every rank calls it at the same place in its call order. One communicator
+        orders the collectives of one issuer, so threads that communicate at the same time take
+        one each, made before they start::
+
+            comms = [comm.dup() for _ in range(2)]  # on every rank, in the same order
+            threads = [threading.Thread(target=work, args=(c,)) for c in comms]
+
+        The duplicate has this one's timeout, segment size and algorithm choice (probes and tuning
+        included); closing or breaking one leaves the other working.
+
+        Raises:
+            NotImplementedError: the backend cannot duplicate its transport (threads and MPI can).
+        """
+        if not self._transport.duplicable:
+            raise NotImplementedError(
+                f"the {type(self._transport).__name__} backend cannot duplicate a communicator; "
+                f"call its collectives from one thread at a time instead"
+            )
+        key = next(self._duplicates)
+
+        def run(group: Group) -> Transport:
+            group.finish_agreement()  # every rank has reached this dup before any transport is made
+            return self._transport.dup(key)
+
+        with self._sequencer.blocking_call():
+            transport = self._sequencer.submit(b"dup", run).wait()
+        twin = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes)
+        twin._selector = self._selector
+        twin._autotune_pending = self._autotune_pending
+        return twin
 
     # -- algorithm selection ----------------------------------------------------------------------
 

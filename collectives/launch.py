@@ -8,9 +8,13 @@ Starts the ranks of a job on this machine, like `horovodrun` or `torchrun`:
   can take it in between (`reserve_loopback_ports`);
 * MPI: hands the job to the `mpiexec` installed with the `mpi` extra.
 
-Every line a rank prints is prefixed with "[rank]". If a rank exits non-zero, the others are
-stopped (SIGTERM, then SIGKILL), the failing rank's last lines are shown again, and the launcher
-exits with that rank's code. Only processes this launcher started are ever signalled.
+Every line a rank prints is passed on whole, prefixed with "[rank]": its standard output to the
+launcher's, its standard error to the launcher's. If a rank exits non-zero, the others get a moment
+to fail by themselves (after an abort they do within milliseconds) and are then stopped (SIGCONT, so
+that a stopped rank can act on it, then SIGTERM, then SIGKILL). The rank that failed first is
+reported: the one whose error (a traceback, or the library's "collective failed" line) came first,
+else the first to exit non-zero by itself; its last lines are shown again, and the launcher exits
+with its code. Only processes this launcher started are ever signalled.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import os
 import secrets
 import shutil
@@ -36,6 +41,11 @@ from collectives.bootstrap import ENV_ADDRESSES, ENV_BACKEND, ENV_RANK, ENV_SECR
 
 _LAST_LINES = 20
 _STOP_GRACE_SECONDS = 5.0
+_FAILURE_GRACE_SECONDS = 1.0
+"""After the first rank fails, how long the others may take to exit by themselves before they are
+stopped: long enough for a rank that raised first to exit with its own code."""
+_ERROR_MARKERS = ("Traceback (most recent call last):", "collective failed")
+"""A line of a rank's standard error that starts or contains one of these reports its failure."""
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -114,38 +124,66 @@ def _held_until_listening(reservations: Sequence[socket.socket], poll_seconds: f
 
 
 class _Rank:
-    """One started process and the tail of its output."""
+    """One started process, the tail of its output, and when it failed."""
 
     def __init__(self, label: str, command: Sequence[str], env: dict[str, str], lock: threading.Lock):
         self.label = label
         self.last_lines: collections.deque[str] = collections.deque(maxlen=_LAST_LINES)
+        self.first_error_at: float | None = None
+        """When the first line reporting an error came from its standard error (monotonic)."""
+        self.exited_at: float | None = None
+        """When it was seen to have exited (monotonic)."""
+        self.stopped = False
+        """Whether the launcher signalled it while it ran (its exit code is then the launcher's doing)."""
         self.process = subprocess.Popen(
             command,
             env=env,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,  # apart from stdout: a pipe shared by both would mix their lines
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group, so we can stop it and its children
         )
-        self._reader = threading.Thread(target=self._forward, args=(self.process.stdout, lock), daemon=True)
-        self._reader.start()
+        self._readers = [
+            threading.Thread(target=self._forward, args=(stream, target, lock), daemon=True)
+            for stream, target in ((self.process.stdout, sys.stdout), (self.process.stderr, sys.stderr))
+        ]
+        for reader in self._readers:
+            reader.start()
 
-    def _forward(self, stream: IO[bytes], lock: threading.Lock) -> None:
+    def _forward(self, stream: IO[bytes], target: IO[str], lock: threading.Lock) -> None:
+        """Pass each whole line of `stream` on to `target`, prefixed (a line is only written once
+        its end has come, so lines of different ranks and streams never mix)."""
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
-            self.last_lines.append(line)
+            if target is sys.stderr and self.first_error_at is None and any(m in line for m in _ERROR_MARKERS):
+                self.first_error_at = time.monotonic()
             with lock:
-                print(f"{self.label}{line}", flush=True)
+                self.last_lines.append(line)
+                print(f"{self.label}{line}", file=target, flush=True)
+
+    def poll(self) -> int | None:
+        """Its exit code, or None while it runs; notes when it was first seen to have exited."""
+        code = self.process.poll()
+        if code is not None and self.exited_at is None:
+            self.exited_at = time.monotonic()
+        return code
 
     def stop(self, sig: int) -> None:
-        if self.process.poll() is None:
+        """Send `sig` to its process group, after SIGCONT, so that a stopped (SIGSTOP) rank can act on it."""
+        if self.poll() is None:
+            self.stopped = True
             try:
+                os.killpg(self.process.pid, signal.SIGCONT)
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:
                 pass
 
     def join_output(self) -> None:
-        self._reader.join(timeout=_STOP_GRACE_SECONDS)
+        for reader in self._readers:
+            reader.join(timeout=_STOP_GRACE_SECONDS)
+
+    def ended_by_itself(self) -> bool:
+        return self.process.returncode is not None and not self.stopped
 
 
 class _Terminated(Exception):
@@ -186,7 +224,7 @@ def _supervise(ranks: list[_Rank], timeout: float | None = None) -> int:
     previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
-            codes = [rank.process.poll() for rank in ranks]  # poll all: collects every exit
+            codes = [rank.poll() for rank in ranks]  # poll all: collects every exit
             failed = next((r for r, code in zip(ranks, codes) if code not in (None, 0)), None)
             if failed is not None or None not in codes:
                 break
@@ -198,6 +236,8 @@ def _supervise(ranks: list[_Rank], timeout: float | None = None) -> int:
                 )
                 return 124
             time.sleep(0.05)
+        if failed is not None:
+            _let_the_others_fail(ranks)
     except KeyboardInterrupt:
         _stop_all(ranks)
         return 130
@@ -211,17 +251,58 @@ def _supervise(ranks: list[_Rank], timeout: float | None = None) -> int:
         for rank in ranks:
             rank.join_output()
         return 0
-    _stop_all(ranks)
-    code = failed.process.returncode
-    reason = f"signal {-code}" if code < 0 else f"code {code}"
+    _stop_all(ranks)  # also reads the rest of every rank's output, whose error lines say who failed first
+    return _report_failure(ranks)
+
+
+def _report_failure(ranks: list[_Rank]) -> int:
+    """Name the rank that failed first, repeat its last lines; returns the launcher's exit code:
+    that rank's, or, if the launcher had to stop it, that of the first rank that failed by itself."""
+    first = _first_failure(ranks)
+    name = first.label.strip() or "the job"
+    what = f"{name} {_ending(first)}" if first.ended_by_itself() else f"{name} reported an error first"
+    others = [f"{rank.label.strip()} {_ending(rank)}" for rank in ranks if rank is not first and rank.label.strip()]
     print(
-        f"collectives.launch: {failed.label.strip() or 'the job'} exited with {reason}; "
-        f"stopped the other ranks. Its last lines:",
+        f"collectives.launch: {what}; stopped the other ranks"
+        + (f" ({', '.join(others)})" if others else "")
+        + ". Its last lines:",
         file=sys.stderr,
     )
-    for line in failed.last_lines:
+    for line in first.last_lines:
         print(f"    {line}", file=sys.stderr)
+    by_itself = [rank for rank in ranks if rank.ended_by_itself() and rank.process.returncode]
+    source = first if first.ended_by_itself() or not by_itself else min(by_itself, key=_exit_time)
+    code = source.process.returncode
     return code if code > 0 else 128 - code
+
+
+def _let_the_others_fail(ranks: list[_Rank]) -> None:
+    """Give the ranks still running `_FAILURE_GRACE_SECONDS` to exit by themselves."""
+    deadline = time.monotonic() + _FAILURE_GRACE_SECONDS
+    while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _first_failure(ranks: list[_Rank]) -> _Rank:
+    """The rank that failed first: the one whose error line came first, else the first to exit
+    non-zero by itself (ranks the launcher stopped come last)."""
+    failed = [rank for rank in ranks if rank.process.returncode not in (None, 0)]
+    reported = [rank for rank in failed if rank.first_error_at is not None]
+    if reported:
+        return min(reported, key=lambda rank: rank.first_error_at or 0.0)
+    return min(failed, key=lambda rank: (not rank.ended_by_itself(), _exit_time(rank)))
+
+
+def _exit_time(rank: _Rank) -> float:
+    return rank.exited_at if rank.exited_at is not None else math.inf
+
+
+def _ending(rank: _Rank) -> str:
+    """How a rank ended, in the report's words."""
+    code = rank.process.returncode
+    if rank.stopped:
+        return "was stopped"
+    return f"exited with signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
 
 
 def _stop_all(ranks: list[_Rank]) -> None:
@@ -234,6 +315,7 @@ def _stop_all(ranks: list[_Rank]) -> None:
         except subprocess.TimeoutExpired:
             rank.stop(signal.SIGKILL)
             rank.process.wait()
+        rank.poll()
         rank.join_output()
 
 

@@ -14,7 +14,17 @@ dominate the latency of a small collective.
 
 After any failure the sequencer is broken: it aborts the transport, so that every peer fails fast
 instead of waiting for this rank, and refuses every later call at once with a message naming the
-error; calls queued behind the failed one fail the same way without sending anything.
+error; calls queued behind the failed one fail the same way without sending anything. The abort
+names the failed collective's first tag, so that a peer still finishing an earlier collective
+(one this rank completed) finishes it, and fails at its next call.
+
+One order on every rank needs one issuer at a time. Threads that race to call collectives on one
+communicator order them differently on different ranks and pair one thread's data with another's,
+silently when the shapes agree. So a call from a second thread while a blocking call of another
+thread is in progress raises `ConcurrentUseError` and breaks the communicator on every rank. Async
+calls may come from any thread that orders them itself (as the TensorFlow strategies do under a
+lock), and may overlap each other and the caller's work. Threads that need to communicate at the
+same time use one communicator each (`Communicator.dup`).
 
 The sequencer knows nothing of algorithms: a collective is a header and a function of a `Group`.
 """
@@ -33,15 +43,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from collectives.backends.base import Transport
-from collectives.backends.errors import CommunicatorBrokenError
+from collectives.backends.errors import LIBRARY_TAGS, CommunicatorBrokenError, ConcurrentUseError
 from collectives.core.group import Group
-from collectives.core.tags import collective_tags
+from collectives.core.tags import TAGS_PER_COLLECTIVE, collective_tags
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_TAG_WRAP = 1 << 24
+_TAG_WRAP = LIBRARY_TAGS // TAGS_PER_COLLECTIVE
 """Sequence numbers wrap here when they become tag blocks, so library tags stay below 2**30; a power
 of two, so that backends which fold tags modulo a smaller power of two still keep consecutive blocks apart."""
 
@@ -90,7 +100,8 @@ def completed_work(result: Any) -> Work:
 
 
 class _BlockingCall(threading.local):
-    """Whether this thread is inside a blocking call; entering it as a context manager says so.
+    """Whether this thread is inside a blocking call; entering it as a context manager says so,
+    and leaving it lets other threads call the sequencer again.
 
     A class rather than `contextlib.contextmanager`: it is entered on every blocking collective,
     and a generator-based context manager costs several times as much.
@@ -98,11 +109,17 @@ class _BlockingCall(threading.local):
 
     active = False
 
+    def __init__(self, sequencer: Sequencer) -> None:
+        self.sequencer = sequencer
+
     def __enter__(self) -> None:
         self.active = True
 
     def __exit__(self, *exc_info: object) -> None:
         self.active = False
+        sequencer = self.sequencer
+        if sequencer._caller == threading.get_ident():
+            sequencer._caller = None
 
 
 @dataclass
@@ -128,9 +145,15 @@ class Sequencer:
         self._closed = False
         self._sequence = itertools.count(1)
         self._next_to_run = 1  # sequence number of the collective allowed to start next
+        self._last_submitted = 0
+        self._abort_owed = False
+        """Whether the transport must still be aborted for a failure found outside the running
+        collective (`_concurrent_use`); the collective running then does it as it finishes."""
         self._submit_lock = threading.Lock()
         self._turn = threading.Condition(self._submit_lock)
-        self._blocking_call = _BlockingCall()
+        self._blocking_call = _BlockingCall(self)
+        self._caller: int | None = None
+        """The thread (`threading.get_ident()`) inside a blocking call, or None."""
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         """The communication thread, started by the first collective that is queued."""
@@ -153,11 +176,13 @@ class Sequencer:
         try:
             return run(self._group(_SETUP_SEQUENCE, header))
         except BaseException as error:
-            self._break(error)
+            self._break(error, _SETUP_SEQUENCE)
             raise
 
     def blocking_call(self) -> _BlockingCall:
-        """A context manager: collectives submitted inside are ones whose caller waits for them at once."""
+        """A context manager around a blocking call (submitting and waiting): the collective
+        submitted inside is one whose caller waits for it at once, and no other thread may call
+        until it is left."""
         return self._blocking_call
 
     def submit(self, header: bytes, run: Callable[[Group], Any]) -> Work:
@@ -168,18 +193,26 @@ class Sequencer:
 
         Raises:
             CommunicatorBrokenError: an earlier collective failed, or `close()` was called.
+            ConcurrentUseError: another thread is inside a blocking call (the communicator is then
+                broken on every rank).
         """
         work = Work()
         with self._submit_lock:
             if (refusal := self._refusal()) is not None:
                 raise refusal
+            caller = self._caller
+            if caller is not None and caller != threading.get_ident():
+                raise self._concurrent_use(caller, header)
             task = _Task(next(self._sequence), header, run, work)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("rank %d: #%d %s", self._transport.rank, task.seq, header.decode(errors="replace"))
-            if self._blocking_call.active and task.seq == self._next_to_run:
-                work._run_here = functools.partial(self._execute, task)
-            else:
-                self._enqueue(task)
+            self._last_submitted = task.seq
+            if self._blocking_call.active:
+                self._caller = threading.get_ident()
+                if task.seq == self._next_to_run:
+                    work._run_here = functools.partial(self._execute, task)
+                    return work
+            self._enqueue(task)
         return work
 
     def close(self) -> None:
@@ -211,6 +244,34 @@ class Sequencer:
             return CommunicatorBrokenError(f"rank {self._transport.rank}: the communicator is closed")
         return None
 
+    def _concurrent_use(self, caller: int, header: bytes) -> ConcurrentUseError:
+        """Break the communicator (lock held) and say why: `caller` is inside a blocking call
+        while this thread submits `header`.
+
+        Only the thread running a collective may use the transport (backends need not be
+        thread-safe), so when one is running or queued, the transport's abort is left to it.
+        """
+        inside = next((thread.name for thread in threading.enumerate() if thread.ident == caller), str(caller))
+        error = ConcurrentUseError(
+            f"rank {self._transport.rank}: thread {threading.current_thread().name!r} called "
+            f"{header.decode(errors='replace')} while thread {inside!r} was inside a blocking collective "
+            f"on the same communicator; ranks would pair one thread's collectives with another's, so the "
+            f"communicator is now broken on every rank. Give each thread its own communicator: "
+            f"comm.dup(), called by every rank in the same order before the threads start"
+        )
+        if self._next_to_run > self._last_submitted:  # nothing running or queued: the transport is free
+            self._break(error, self._next_to_run)
+        else:
+            self._remember(error)
+            self._abort_owed = True
+        return error
+
+    def _remember(self, error: BaseException) -> None:
+        """Enter the broken state with `error`, unless already broken."""
+        if self._broken is None:
+            self._broken = error
+            log.error("rank %d: collective failed, communicator is now broken: %s", self._transport.rank, error)
+
     def _broken_refusal(self, cause: BaseException) -> CommunicatorBrokenError:
         return CommunicatorBrokenError(
             f"rank {self._transport.rank}: the communicator is broken since an earlier collective failed "
@@ -240,9 +301,11 @@ class Sequencer:
             group = self._group(task.seq, task.header).with_agreement()
             result = task.run(group)
             group.finish_agreement()
+            if self._broken is not None:  # broken by another thread meanwhile: the result may be another's
+                raise self._broken_refusal(self._broken)
         except BaseException as error:  # noqa: BLE001 - handed to the caller through Work
             if not isinstance(error, CommunicatorBrokenError):
-                self._break(error)
+                self._break(error, task.seq)
             self._finish(task)
             task.work.set_exception(error)
         else:
@@ -256,10 +319,12 @@ class Sequencer:
         with self._turn:
             self._next_to_run = task.seq + 1
             self._turn.notify_all()
+            abort_owed, self._abort_owed = self._abort_owed, False
+        if abort_owed and self._broken is not None:  # broken by another thread while this one ran
+            self._break(self._broken, task.seq)  # later collectives, refused, never touch the transport
 
-    def _break(self, error: BaseException) -> None:
-        """Remember the failure and make every peer fail fast instead of waiting for us."""
-        if self._broken is None:
-            self._broken = error
-            log.error("rank %d: collective failed, communicator is now broken: %s", self._transport.rank, error)
-        self._transport.abort(error)
+    def _break(self, error: BaseException, seq: int) -> None:
+        """Remember the failure and make every peer fail fast instead of waiting for us, in
+        collective number `seq` and after it (not in the ones before, which this rank completed)."""
+        self._remember(error)
+        self._transport.abort(error, since_tag=collective_tags(seq % _TAG_WRAP, "the failed collective").start)

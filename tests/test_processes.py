@@ -1,20 +1,20 @@
 """The shared collective bodies (`bodies.py`) in real processes, started the way users start them:
 `python -m collectives.launch` (gRPC) and `mpiexec` (MPI), each rank calling `collectives.init()`.
 
-Every launch is bounded by a timeout; on expiry the process group this test started (and only
-that one) is killed.
+Every launch is bounded by a timeout; on expiry the job this test started (and only that one) is
+stopped (`processes.run_bounded`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import run_bounded
 
 RUN_BODY = str(Path(__file__).with_name("run_body.py"))
 LAUNCH_TIMEOUT = 240
@@ -22,22 +22,8 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
 def run_job(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run a job in its own process group; kill that group if it outlives the timeout."""
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"job did not finish within {LAUNCH_TIMEOUT} s:\n{output}")
-    return subprocess.CompletedProcess(command, process.returncode, output, "")
+    """Run a job, its output in `stdout`; stop it if it outlives the timeout."""
+    return run_bounded(command, timeout=LAUNCH_TIMEOUT, env=env, merge_stderr=True)
 
 
 def assert_every_rank_passed(result: subprocess.CompletedProcess, ranks: int, bodies: list[str]) -> None:

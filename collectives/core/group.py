@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -20,6 +21,10 @@ from collectives.core.tags import TagRange
 
 _CHECK_INTERVAL = 0.05
 """While a wait is pending, how often the header agreement is advanced and checked."""
+
+_DEFER_FRACTION, _DEFER_MAX_SECONDS = 0.25, 2.0
+"""A rank that times out without knowing which rank is missing waits this much longer (a fraction
+of the timeout, at most so many seconds) for the abort of one that knows (`_deadline_passed`)."""
 
 _NO_DATA = np.empty(0, dtype=np.uint8)
 
@@ -163,9 +168,10 @@ class Group:
     def wait(self, pending: Pending) -> None:
         """Wait for one operation until the collective's deadline; fail early on a mismatch."""
         agreement = self.agreement
+        deadline = self.deadline
         while True:
             checking = agreement if agreement is not None and not agreement.done else None
-            remaining = self.deadline - time.monotonic()
+            remaining = deadline - time.monotonic()
             try:
                 pending.request.wait(max(min(remaining, _CHECK_INTERVAL) if checking else remaining, 0.0))
                 break
@@ -178,8 +184,8 @@ class Group:
             except TimeoutError:
                 if checking:
                     checking.progress()
-                if time.monotonic() >= self.deadline:
-                    self._raise_timeout(pending)
+                if time.monotonic() >= deadline:
+                    deadline = self._deadline_passed(deadline, pending)
         if agreement is not None and not agreement.done:
             agreement.progress()
 
@@ -197,32 +203,50 @@ class Group:
             raise ValueError(f"rank {self.transport.rank}: wait_any needs at least one operation to wait for")
         requests = [pending.request for pending in pendings]
         agreement = self.agreement
+        deadline = self.deadline
         while True:
             for index, pending in enumerate(pendings):
                 if pending.request.test():
                     self.wait(pending)  # raises the operation's error; advances the agreement
                     return index
             checking = agreement if agreement is not None and not agreement.done else None
-            remaining = self.deadline - time.monotonic()
+            remaining = deadline - time.monotonic()
             try:
                 self.transport.wait_any(requests, max(min(remaining, _CHECK_INTERVAL) if checking else remaining, 0.0))
             except TimeoutError:
                 if checking:
                     checking.progress()
-                if time.monotonic() >= self.deadline:
-                    self._raise_timeout(pendings[0])
+                if time.monotonic() >= deadline:
+                    deadline = self._deadline_passed(deadline, pendings[0])
 
-    def _raise_timeout(self, pending: Pending) -> None:
+    def _deadline_passed(self, deadline: float, pending: Pending) -> float:
+        """At `deadline`, raise the timeout of `pending`; or, once, return a slightly later
+        deadline when this rank cannot tell which rank is missing: the missing rank's successor
+        can, and its abort, which names it, then reaches every rank before they time out too."""
+        agreement = self.agreement
+        if deadline == self.deadline and agreement is not None and not agreement.knows_who_is_missing():
+            return deadline + min(self.timeout * _DEFER_FRACTION, _DEFER_MAX_SECONDS)
+        self._raise_timeout(pending)
+
+    def _raise_timeout(self, pending: Pending) -> NoReturn:
         me = self.transport.rank
         raise CollectiveTimeoutError(
             f"rank {me}: {pending.kind} rank {pending.peer} did not complete within "
             f"{self.timeout:g} s (tag {pending.tag}, {self.header.decode(errors='replace')}); "
-            f"rank {pending.peer} never arrived at this collective, or is stuck or dead",
+            f"{self.who_is_missing(pending.peer)}",
             rank=me,
             peer=pending.peer,
             tag=pending.tag,
             seconds=self.timeout,
         ) from None
+
+    def who_is_missing(self, peer: int | None) -> str:
+        """For a timeout's message: which ranks did not reach this collective, as far as this rank
+        knows (from the header agreement), rather than only the neighbour `peer` it waited for."""
+        if self.agreement is None:
+            who = "a rank" if peer is None else f"rank {peer}"
+            return f"{who} never arrived at this collective, or is stuck or dead"
+        return self.agreement.who_is_missing(peer)
 
     def waitall(self, pendings: Iterable[Pending]) -> None:
         """Wait for every operation, in order, until the collective's deadline."""
@@ -282,6 +306,49 @@ class HeaderAgreement:
             self._receive.request.wait(0)  # raises if the sender disagreed
             self._distance *= 2
             self._post_round()
+
+    def reached(self) -> list[int]:
+        """The ranks known to have called this collective: after the rounds of distance d < D
+        matched, this member and the D - 1 before it (all, once done)."""
+        group = self._group
+        known = group.size if self.done else min(self._distance, group.size)
+        return sorted(group.members[(group.rank - back) % group.size] for back in range(known))
+
+    def knows_who_is_missing(self) -> bool:
+        """Whether `who_is_missing` can name the missing rank: every rank arrived (then the
+        rank waited for is the stuck one), or the predecessor, whose first message is sent as
+        it starts, never sent it."""
+        return self.done or self._distance == 1
+
+    def who_is_missing(self, peer: int | None) -> str:
+        """Which ranks did not reach this collective, as far as this member knows: said in a
+        timeout's message instead of blaming the neighbour `peer` it happened to wait for.
+
+        The first round's message is sent the moment a member starts the collective, so a
+        predecessor whose first message never came has not started it; beyond that, members
+        outside `reached()` are only not known to have.
+        """
+        try:
+            self.progress()  # take in what arrived while nobody looked (a native all-reduce's wait)
+        except CollectiveError:
+            pass  # a disagreement is reported by the peers that found it; here only arrival matters
+        group = self._group
+        arrived = self.reached()
+        missing = [member for member in group.members if member not in arrived]
+        if not missing:
+            who = "a rank" if peer is None else f"rank {peer}"
+            return f"every rank reached this collective, so {who} is stuck or dead"
+        predecessor = group.members[(group.rank - 1) % group.size]
+        if predecessor in missing:
+            return (
+                f"rank {predecessor} did not reach this collective (its first message of it never came), "
+                f"or is stuck or dead"
+            )
+        waiting = f"; rank {peer} did reach it and is waiting too" if peer in arrived else ""
+        return (
+            f"rank(s) {', '.join(map(str, missing))} did not reach this collective as far as this rank knows "
+            f"(ranks {', '.join(map(str, arrived))} did){waiting}"
+        )
 
     def finish(self) -> None:
         """Run the remaining rounds to the end, within the collective's deadline."""

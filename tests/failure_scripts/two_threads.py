@@ -1,0 +1,67 @@
+"""Two threads of every rank on collectives at once, in real processes: `python two_threads.py MODE`.
+
+MODE "race": both threads loop on blocking all-reduces of one shape on the communicator of
+`collectives.init()`; the rank reports "race ok" when some thread of it raised a CollectiveError
+(the concurrent use was refused, here or on a peer) and nothing else went wrong.
+MODE "dup": each thread reduces on its own `comm.dup()`; "dup ok" when every result is right.
+Started by tests/test_concurrency.py under mpiexec and `python -m collectives.launch`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+import collectives
+
+CALLS = 300
+COUNT = 1024
+
+
+def reduce_repeatedly(comm: collectives.Communicator, thread: int) -> int:
+    """CALLS all-reduces of this thread's value; how many came back wrong."""
+    expected = np.full(COUNT, sum(1000.0 * thread + rank for rank in range(comm.size)))
+    mine = np.full(COUNT, 1000.0 * thread + comm.rank)
+    return sum(not np.array_equal(comm.allreduce(mine, algorithm="ring"), expected) for _ in range(CALLS))
+
+
+def in_threads(comms: list[collectives.Communicator]) -> list[Any]:
+    outcomes: list[Any] = [None] * len(comms)
+
+    def run(index: int) -> None:
+        try:
+            outcomes[index] = reduce_repeatedly(comms[index], index)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            outcomes[index] = error
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(comms))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def main(mode: str) -> int:
+    comm = collectives.init(timeout=30)
+    if mode == "race":
+        outcomes = in_threads([comm, comm])
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        refused = errors and all(isinstance(error, collectives.CollectiveError) for error in errors)
+        verdict = "race ok" if refused else "race NOT refused"
+    else:
+        duplicates = [comm.dup(), comm.dup()]
+        outcomes = in_threads(duplicates)
+        verdict = "dup ok" if outcomes == [0, 0] else "dup FAILED"
+        for duplicate in duplicates:
+            duplicate.close()
+    print(f"rank {comm.rank}: {verdict}: {[repr(outcome) for outcome in outcomes]}", flush=True)
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

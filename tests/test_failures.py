@@ -1,0 +1,277 @@
+"""Failures that must be reported as what they are, and failures that must not spread too far.
+
+* An abort fails the failed collective and the ones after it, never one the aborting rank had
+  completed: a slower rank still finishing it (its `init()`) finishes it, and fails at its next call.
+* A timeout names the rank that did not reach the collective, not the neighbour that waited for it.
+* The launcher names the rank that failed first, lets a stopped rank act on being stopped, and
+  passes every line on whole.
+* A lost gRPC peer is called lost, a bad timeout and a masked array are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from processes import launch_job, needs_grpc
+from test_mpi import assert_ok, mpirun, needs_mpi
+
+import collectives
+from collectives import CollectiveError, CollectiveTimeoutError, Communicator, MismatchError, PeerLostError
+from collectives.backends.threads import ThreadFabric
+from collectives.core.group import Group
+from collectives.core.tags import collective_tags
+
+SCRIPTS = Path(__file__).resolve().parent / "failure_scripts"
+HEADER = b"communicator setup"
+
+
+# -- an abort spares the collectives before the failed one ----------------------------------------
+
+
+def test_abort_spares_operations_of_earlier_collectives_on_threads() -> None:
+    """Rank 1 still waits for a message of an earlier collective (tag 5) when rank 0 aborts from
+    tag 64 on: that receive completes when the message comes; those on tag 64 and later fail."""
+    fabric = ThreadFabric(["a", "b"])
+    zero, one = fabric.endpoint(0), fabric.endpoint(1)
+    earlier = np.zeros(4)
+    spared = one.irecv(earlier, 0, 5, HEADER)
+    failed = one.irecv(np.zeros(4), 0, 70, HEADER)
+    zero.abort(MismatchError("shapes differ"), since_tag=64)
+    with pytest.raises(MismatchError, match="shapes differ"):
+        failed.wait(5)
+    assert not spared.test()
+    zero.isend(np.arange(4.0), 1, 5, HEADER).wait(5)
+    spared.wait(5)
+    np.testing.assert_array_equal(earlier, np.arange(4.0))
+    with pytest.raises(MismatchError):
+        one.irecv(np.zeros(4), 0, 64, HEADER).wait(5)
+    zero.abort(RuntimeError("everything"))  # no since_tag: nothing is spared any more
+    with pytest.raises(MismatchError):
+        one.irecv(np.zeros(4), 0, 5, HEADER).wait(5)
+
+
+@needs_mpi
+def test_abort_spares_operations_of_earlier_collectives_over_mpi() -> None:
+    assert_ok(mpirun(2, str(SCRIPTS / "abort_spares.py")), 2, "abort spares ok")
+
+
+def test_failed_collective_breaks_the_communicator_from_its_own_tags() -> None:
+    """The sequencer aborts from the failed collective's first tag, so the operations of the
+    collectives before it are never failed by it."""
+    aborts: list[int | None] = []
+
+    def body(comm: Communicator) -> Any:
+        comm.barrier()
+        transport = comm._transport
+        abort = transport.abort
+
+        def recording_abort(error: BaseException, since_tag: int | None = None) -> None:
+            aborts.append(since_tag)
+            abort(error, since_tag)
+
+        transport.abort = recording_abort  # type: ignore[method-assign]
+        try:
+            comm.allreduce(np.ones(3 if comm.rank else 4))
+        except CollectiveError as error:
+            return type(error).__name__
+        return None
+
+    assert collectives.run_threads(body, world_size=2) == ["MismatchError", "MismatchError"]
+    assert aborts and all(since == 2 * 64 for since in aborts), aborts  # collective 2: setup 0, barrier 1
+
+
+# -- a timeout names who did not arrive ------------------------------------------------------------
+
+
+def test_timeout_names_the_rank_that_never_arrived() -> None:
+    """Rank 3 of 4 never calls the all-reduce: every other rank's error names rank 3 as the one
+    that did not reach the collective (rank 1 waits for rank 0, which is not the missing one)."""
+    timeout = 2.0
+
+    def body(comm: Communicator) -> str | None:
+        comm.barrier()
+        if comm.rank == 3:
+            time.sleep(3 * timeout)  # absent until the others have given up
+            return None
+        try:
+            comm.allreduce(np.ones(1000), algorithm="ring")
+        except (CollectiveTimeoutError, PeerLostError) as error:
+            return str(error)
+        return "completed"
+
+    messages = collectives.run_threads(body, world_size=4, timeout=timeout)[:3]
+    for rank, message in enumerate(messages):
+        assert "rank 3 did not reach this collective" in str(message), f"rank {rank}: {message}"
+        for other in (0, 1, 2):
+            assert f"rank {other} did not reach" not in str(message), f"rank {rank}: {message}"
+
+
+def test_timeout_after_everyone_arrived_names_the_peer_as_stuck() -> None:
+    """Every rank reached the collective (the header agreement finished) and then a peer stops
+    sending: the message says so, instead of claiming it never arrived."""
+    fabric = ThreadFabric(["a", "b"])
+    deadline = time.monotonic() + 0.5
+    groups = [
+        Group(fabric.endpoint(rank), (0, 1), collective_tags(3, "test"), HEADER, deadline, 0.5).with_agreement()
+        for rank in (0, 1)
+    ]
+    for group in groups:
+        group.finish_agreement()
+    waiting = groups[0].irecv(np.zeros(1), 1, groups[0].tags.start)
+    with pytest.raises(CollectiveTimeoutError, match="every rank reached this collective, so rank 1 is stuck or dead"):
+        groups[0].wait(waiting)
+
+
+# -- the launcher --------------------------------------------------------------------------------
+
+
+def launch_script(tmp_path: Path, body: str, *launcher_args: str) -> Any:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    return launch_job([*launcher_args, str(script)])
+
+
+def test_launcher_names_the_rank_that_failed_first(tmp_path: Path) -> None:
+    """Rank 2 raises at once but takes long to exit; rank 0 exits with code 3 later: the report
+    names rank 2, whose error came first, not rank 0, which exited first."""
+    result = launch_script(
+        tmp_path,
+        """
+        import atexit, os, sys, time
+        rank = int(os.environ["COLLECTIVES_RANK"])
+        if rank == 2:
+            atexit.register(time.sleep, 30)  # raised first, still busy exiting
+            raise RuntimeError("rank 2 fails first")
+        time.sleep(1.0)
+        if rank == 0:
+            sys.exit(3)
+        time.sleep(60)
+        """,
+        "-n",
+        "3",
+    )
+    report = result.stderr
+    assert "collectives.launch: [2] reported an error first" in report, report
+    assert "[0] exited with code 3" in report, report
+    assert "    RuntimeError: rank 2 fails first" in report, report  # its last lines, repeated
+    assert result.returncode == 3, report
+
+
+def test_launcher_continues_a_stopped_rank_before_terminating_it(tmp_path: Path) -> None:
+    """Rank 1 is stopped (SIGSTOP) when rank 0 fails: the launcher sends SIGCONT with SIGTERM,
+    so rank 1 handles the SIGTERM (it says so) instead of waiting, stopped, to be killed."""
+    result = launch_script(
+        tmp_path,
+        """
+        import os, signal, sys, time
+        rank = int(os.environ["COLLECTIVES_RANK"])
+        if rank == 1:
+            def terminated(signum, frame):
+                print("rank 1 got SIGTERM", flush=True)
+                sys.exit(0)
+            signal.signal(signal.SIGTERM, terminated)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(60)
+        time.sleep(1.0)
+        sys.exit(1)
+        """,
+        "-n",
+        "2",
+    )
+    assert "[1] rank 1 got SIGTERM" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 1
+
+
+def test_launcher_keeps_lines_whole(tmp_path: Path) -> None:
+    """A rank writes half a line to stdout, a line to stderr, then the rest of the first line:
+    each stream's lines come out whole, each prefixed with the rank."""
+    result = launch_script(
+        tmp_path,
+        """
+        import sys
+        sys.stdout.write("first half, "); sys.stdout.flush()
+        sys.stderr.write("a line of its own\\n"); sys.stderr.flush()
+        sys.stdout.write("second half\\n"); sys.stdout.flush()
+        """,
+        "-n",
+        "1",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[0] first half, second half" in result.stdout.splitlines(), result.stdout
+    assert "[0] a line of its own" in result.stderr.splitlines(), result.stderr
+
+
+# -- a lost gRPC peer ------------------------------------------------------------------------------
+
+
+@needs_grpc
+def test_grpc_peer_whose_stream_ended_is_not_said_to_have_closed() -> None:
+    """A peer's stream can end without an error because the peer closed, or because its process
+    was killed: the error says it is lost and may have died, not only that it closed."""
+    from test_grpc import make_world
+
+    a, b = make_world(2)
+    try:
+        pending = b.irecv(np.zeros(1), 0, 0, b"h")
+        a.close()
+        with pytest.raises(PeerLostError, match="peer rank 0 .* is lost: .*died"):
+            pending.wait(10)
+    finally:
+        a.close()
+        b.close()
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [-5, 0, 0.0, math.inf, -math.inf, math.nan])
+def test_bad_timeouts_are_refused_naming_the_value(value: float) -> None:
+    comm = collectives.init("threads")
+    try:
+        with pytest.raises(ValueError, match=f"got {value!r}".replace("(", r"\(")):
+            comm.timeout = value
+        assert comm.timeout == collectives.DEFAULT_TIMEOUT
+        with pytest.raises(ValueError, match="positive, finite"):
+            Communicator(ThreadFabric(["a"]).endpoint(0), timeout=value)
+    finally:
+        comm.close()
+
+
+def test_timeout_can_be_changed_and_must_be_a_number() -> None:
+    comm = collectives.init("threads")
+    try:
+        comm.timeout = 2.5
+        assert comm.timeout == 2.5
+        with pytest.raises(TypeError, match="number of seconds, got str"):
+            comm.timeout = "10"  # type: ignore[assignment]
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda comm, x: comm.allreduce(x),
+        lambda comm, x: comm.allreduce_async(x),
+        lambda comm, x: comm.reduce_scatter(x),
+        lambda comm, x: comm.allgather(x),
+        lambda comm, x: comm.broadcast(x),
+    ],
+    ids=["allreduce", "allreduce_async", "reduce_scatter", "allgather", "broadcast"],
+)
+def test_masked_arrays_are_refused(call: Any) -> None:
+    """The mask would not travel: a masked array is a TypeError saying what to pass instead."""
+    masked = np.ma.masked_array([1.0, 2.0, 3.0, 4.0], mask=[False, True, False, False])
+
+    def body(comm: Communicator) -> str:
+        with pytest.raises(TypeError, match=r"numpy\.ma\.MaskedArray.*filled") as caught:
+            call(comm, masked)
+        return str(caught.value)
+
+    collectives.run_threads(body, world_size=2)
