@@ -17,6 +17,8 @@ Adding an algorithm is one new module that registers itself, imported once befor
     ))
 
 The library's own algorithms register when `collectives.algorithms` is imported (its `__init__`).
+An algorithm with options registers its default form once and builds the others from their names
+(`AllReduceAlgorithm.variant`: "parameter_server_2" is the parameter server with two servers).
 
 Cost functions share one notation (each algorithm's module docstring gives its formula): n bytes
 per rank, p ranks on N nodes of L ranks, s the segment size, t(m) = alpha + m beta the time of one
