@@ -95,7 +95,7 @@ def test_bench_measures_a_registered_algorithm(toy: AllReduceAlgorithm, capsys: 
 def test_auto_candidates_follow_the_registry(toy: AllReduceAlgorithm) -> None:
     flat = Topology(("a",) * 4)
     nodes = Topology(("a", "a", "b", "b"))
-    assert registry.auto_candidates(flat) == ("ring", "tree", "parameter_server", TOY)
+    assert registry.auto_candidates(flat) == ("ring", "tree", TOY)
     assert registry.auto_candidates(nodes) == (
         "ring",
         "tree",
@@ -128,7 +128,7 @@ def test_an_algorithm_is_refused_where_it_cannot_run() -> None:
         )
     )
     try:
-        assert registry.auto_candidates(Topology(("a",) * 3)) == ("ring", "tree", "parameter_server")
+        assert registry.auto_candidates(Topology(("a",) * 3)) == ("ring", "tree")
 
         def body(comm: collectives.Communicator) -> str:
             with pytest.raises(ValueError, match="'pairs_only' cannot run on 3 ranks"):
@@ -136,7 +136,7 @@ def test_an_algorithm_is_refused_where_it_cannot_run() -> None:
             comm.allreduce(np.ones(4))
             return comm.last_algorithm or ""
 
-        assert set(collectives.run_threads(body, world_size=3)) <= {"ring", "tree", "parameter_server"}
+        assert set(collectives.run_threads(body, world_size=3)) <= {"ring", "tree"}
     finally:
         registry.unregister("pairs_only")
 

@@ -49,7 +49,8 @@ With S = W co-located servers that is the ring's 2 (p-1)/p n beta with 2 (p-1) m
 in two rounds instead of 2 (p-1); fewer servers send fewer messages but move W/S times more bytes
 through each server, and between nodes every shard crosses the NIC of its server's node.
 `parameter_server_cost` counts all this per rank and per node from the cut and placement the code
-uses.
+uses. `auto` considers the default variant on several nodes of several ranks only
+(`_among_hierarchical` says why).
 """
 
 from __future__ import annotations
@@ -334,6 +335,17 @@ def parameter_server_cost(
     return (push + reducing + pull) / shards + (shards - 1) / shards * busiest
 
 
+def _among_hierarchical(topology: Topology) -> bool:
+    """Where `auto` considers the parameter server: where the hierarchical algorithms compete, on
+    several nodes of several ranks, and it loses to them because every shard crosses the NIC of
+    its server's node. On one node a receive is a memory copy by the rank's own core, made in turn
+    with its reductions rather than beside them as the model (and the simulator) has it: measured
+    on 4 thread ranks, the ring is faster from 1 MiB up where the model would pick the parameter
+    server. With one rank per node it is the ring's exchange in two rounds, which the model tells
+    apart from the ring by pipelining details only."""
+    return topology.is_hierarchical
+
+
 def _algorithm(options: ParameterServers) -> AllReduceAlgorithm:
     """The registry entry of one variant (the default is the one registered and listed)."""
     if options.num_servers is None:
@@ -345,11 +357,12 @@ def _algorithm(options: ParameterServers) -> AllReduceAlgorithm:
         summary=(
             f"workers push shards to parameter servers ({servers}, {options.placement.replace('_', '-')} "
             "placement), which reduce them in rank order and send them back; `parameter_server(S, ...)` names "
-            "other variants"
+            "other variants (auto: on several nodes with several ranks)"
         ),
         steps=ignoring_nodes(functools.partial(parameter_server_steps, options=options)),
         cost=functools.partial(parameter_server_cost, options),
         runs_on=lambda topology: options.runs_on(topology.size),
+        auto_candidate=_among_hierarchical,
         variant=_variant,
     )
 
