@@ -25,6 +25,8 @@ import numpy as np
 
 from collectives import NATIVE, REDUCTION_DTYPES, allreduce_algorithms
 from collectives.algorithms import registry
+from collectives.algorithms.parameter_server import NAME as PARAMETER_SERVER
+from collectives.algorithms.parameter_server import parameter_server
 from collectives.backends.simulated import Link
 from collectives.core.ops import ReduceOp
 
@@ -121,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated all-reduce algorithms from auto,{','.join(allreduce_algorithms())},{NATIVE} "
         f"(native: MPI only); default {','.join(default_allreduce())} (+native on MPI); the other "
         f"collectives have one algorithm each ({', '.join(f'{c}: {a}' for c, a in FIXED_ALGORITHM.items())})",
+    )
+    parser.add_argument(
+        "--num-servers",
+        type=_int_list,
+        default=None,
+        metavar="S",
+        help="parameter servers of -a parameter_server, co-located on the ranks (default: every rank); "
+        "a list such as 1,2 measures each",
     )
     parser.add_argument(
         "-d", "--dtype", default="float32", help=f"one of {', '.join(d.name for d in REDUCTION_DTYPES)}"
@@ -223,12 +233,7 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     else:
         default = (FIXED_ALGORITHM[collective],)
         known = set(default)
-    algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip()) if args.algorithms else default
-    unknown = [a for a in algorithms if a not in known]
-    if unknown:
-        raise UsageError(
-            f"unknown algorithm(s) for {collective}: {', '.join(unknown)}; expected some of {', '.join(sorted(known))}"
-        )
+    algorithms = asked_algorithms(args, ranks, known) or default
     if NATIVE in algorithms and args.backend != "mpi":
         raise UsageError(f"algorithm {NATIVE!r} needs --backend mpi")
     try:
@@ -265,6 +270,32 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         warmup=args.warmup,
         iterations=args.iters,
     )
+
+
+def asked_algorithms(args: argparse.Namespace, ranks: int, known: set[str]) -> tuple[str, ...]:
+    """The algorithms of -a (none if not given), each checked against `known`, with parameter_server
+    replaced by its variant for each of --num-servers."""
+    algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip()) if args.algorithms else ()
+    unknown = [a for a in algorithms if a not in known]
+    if unknown:
+        raise UsageError(
+            f"unknown algorithm(s) for {args.collective}: {', '.join(unknown)}; "
+            f"expected some of {', '.join(sorted(known))}"
+        )
+    if args.num_servers is not None:
+        algorithms = with_server_counts(algorithms, args.num_servers, ranks)
+    return algorithms
+
+
+def with_server_counts(algorithms: tuple[str, ...], server_counts: list[int], ranks: int) -> tuple[str, ...]:
+    """`algorithms` with parameter_server replaced by its variant for each of `server_counts`."""
+    if PARAMETER_SERVER not in algorithms:
+        raise UsageError(f"--num-servers sets the servers of -a {PARAMETER_SERVER}, which is not measured")
+    too_many = [count for count in server_counts if count > ranks]
+    if too_many:
+        raise UsageError(f"--num-servers {too_many[0]} needs at least as many ranks, got -n {ranks}")
+    at = algorithms.index(PARAMETER_SERVER)
+    return (*algorithms[:at], *(parameter_server(count) for count in server_counts), *algorithms[at + 1 :])
 
 
 def tunes(args: argparse.Namespace, spec: SweepSpec) -> bool:

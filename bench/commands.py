@@ -16,10 +16,20 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
+from collectives import allreduce_algorithms
 from collectives.backends.errors import BackendUnavailableError
 
 from . import netns
-from .cli import UsageError, build_parser, build_scaling_parser, ranks_per_node, size_range, sweep_spec, tunes
+from .cli import (
+    UsageError,
+    asked_algorithms,
+    build_parser,
+    build_scaling_parser,
+    ranks_per_node,
+    size_range,
+    sweep_spec,
+    tunes,
+)
 from .measure import SweepResult
 from .output import format_explained, format_table, write_csv, write_json
 from .run import as_launched_rank, in_processes, on_threads, rank_sweep
@@ -117,12 +127,13 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def simulated_command(args: argparse.Namespace) -> int:
-    """The selector's regret table on the simulated cluster described by the options, or with
-    `--grid` the largest regret on each cluster of the validation grid."""
+    """The selector's regret table on the simulated cluster described by the options (and the
+    algorithms asked for with -a that auto does not consider), or with `--grid` the largest regret
+    on each cluster of the validation grid."""
     from collectives.backends.simulated import Cluster
     from collectives.selection.simulation import regret_grid
 
-    from .simulated import GRID_SIZES, grid_summary, regret_table, run_grid
+    from .simulated import GRID_SIZES, asked_for_table, grid_summary, regret_table, run_grid
 
     if args.collective != "allreduce":
         raise UsageError("--backend simulated compares all-reduce algorithms only")
@@ -132,14 +143,20 @@ def simulated_command(args: argparse.Namespace) -> int:
             "candidate simulated (virtual time), auto from probed link costs"
         )
         cells = run_grid()
+        print(grid_summary(cells))
     else:
         per_node = args.ranks_per_node[0] if args.ranks_per_node else 4
         cluster = Cluster(
             args.nodes, per_node, args.intra, args.inter, nic_bandwidth=args.nic * 1e9, gamma=1 / (args.gamma * 1e9)
         )
         print(f"# all-reduce on a simulated cluster of {args.nodes} x {per_node} ranks (virtual time)")
-        cells = regret_grid([cluster], size_range(args.minbytes, args.maxbytes, args.stepfactor))
-    print(grid_summary(cells) if args.grid else regret_table(cells))
+        sizes = size_range(args.minbytes, args.maxbytes, args.stepfactor)
+        cells = regret_grid([cluster], sizes)
+        print(regret_table(cells))
+        asked = asked_algorithms(args, cluster.size, {"auto", *allreduce_algorithms()})
+        asked = tuple(a for a in asked if a != "auto" and a not in cells[0].simulated)
+        if asked:
+            print(asked_for_table(cluster, asked, sizes, cells[0].costs))
     print(f"# max regret of auto: {max(cell.regret for cell in cells) * 100:.1f}%")
     return 0
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from collectives.algorithms.registry import predict
 from collectives.backends.simulated import Cluster, Link
-from collectives.selection.simulation import RegretCell, regret_grid
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES
+from collectives.core.topology import LinkCosts, Topology
+from collectives.selection.simulation import RegretCell, regret_grid, simulated_times
 
 GRID_INTRA = Link(alpha=1e-6, bandwidth=50e9)
 GRID_GAMMA = 1 / 20e9
@@ -58,6 +61,23 @@ def regret_table(cells: Sequence[RegretCell]) -> str:
                 f"{'*' if algorithm == cell.choice else '':>5} {'*' if algorithm == cell.best else '':>5}"
             )
         lines.append(f"{cell.nbytes:>12} {'regret':>18} {cell.regret * 100:>13.1f}%")
+    return "\n".join(lines)
+
+
+def asked_for_table(cluster: Cluster, algorithms: Sequence[str], sizes: Sequence[int], costs: LinkCosts) -> str:
+    """The simulated and predicted times of algorithms asked for with -a beyond auto's candidates
+    (variants such as parameter_server_2), from the link costs the regret table probed."""
+    times = simulated_times([(cluster, algorithm, nbytes) for algorithm in algorithms for nbytes in sizes])
+    topology = Topology(cluster.hosts)
+    lines = [
+        "# asked for with -a, beyond auto's candidates:",
+        f"{'size':>12} {'algorithm':>18} {'simulated(us)':>14} {'model(us)':>12}",
+    ]
+    for nbytes in sizes:
+        for algorithm in algorithms:
+            simulated = times[cluster, algorithm, nbytes]
+            predicted = predict(algorithm, nbytes, topology, costs, DEFAULT_SEGMENT_BYTES)
+            lines.append(f"{nbytes:>12} {algorithm:>18} {simulated * 1e6:>14.1f} {predicted * 1e6:>12.1f}")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 import collectives
 from collectives import Communicator
+from collectives.algorithms.parameter_server import ParameterServers, parameter_server, shard_servers
 
 COUNTS = (0, 1, 5, 100_003)
 DTYPES = ("float32", "float64", "float16", "int32")
@@ -82,6 +83,47 @@ def allreduce_every_algorithm(comm: Communicator) -> None:
                     assert_identical_everywhere(comm, result, what)
 
 
+def parameter_server_variants(comm: Communicator) -> None:
+    """Parameter servers co-located (1, 2 greedy, 7 where there are ranks for them) and dedicated
+    (the last 1 or 2 ranks) x counts x dtypes x ops: the workers' result equals the reduction of
+    the workers' inputs and is bit-identical on every worker; a dedicated server holds the shards
+    it serves, zeros elsewhere."""
+    p = comm.size
+    variants = [(1, "round_robin", False), (2, "greedy", False), (7, "round_robin", False)]
+    variants += [(1, "round_robin", True), (2, "greedy", True)]
+    case = 0
+    for servers, placement, dedicated in variants:
+        if servers > p - dedicated:
+            continue
+        options = ParameterServers(servers, placement, dedicated)
+        algorithm = parameter_server(servers, placement=placement, dedicated=dedicated)
+        workers = options.workers(p)
+        for count in (*COUNTS, 700_001):
+            for dtype in DTYPES if count <= COUNTS[-1] else ("float32",):
+                for op in OPS:
+                    if op == "mean" and np.dtype(dtype).kind == "i":
+                        continue
+                    case += 1
+                    inputs = [rank_input(rank, count, dtype, case) for rank in range(p)]
+                    what = f"allreduce {algorithm} count={count} {dtype} {op} on rank {comm.rank}"
+                    result = comm.allreduce(inputs[comm.rank], op=op, algorithm=algorithm)
+                    expected = reference(inputs[:workers], op)
+                    if comm.rank < workers:
+                        assert_close(result, expected, dtype, workers, what)
+                        digest = hashlib.sha256(result.tobytes()).digest()
+                    else:
+                        served = np.zeros(count, dtype=bool)
+                        shards = shard_servers(options, p, count, np.dtype(dtype).itemsize, comm.segment_bytes)
+                        for lo, hi, server in shards:
+                            served[lo:hi] = server == comm.rank
+                        assert_close(result[served], expected[served], dtype, workers, what)
+                        assert not result[~served].any(), f"{what}: a dedicated server holds others' shards"
+                        digest = bytes(32)
+                    digests = comm.allgather(np.frombuffer(digest, dtype=np.uint8)).reshape(p, -1)
+                    differing = [rank for rank in range(workers) if not np.array_equal(digests[rank], digests[0])]
+                    assert not differing, f"{what}: workers {differing} differ from rank 0"
+
+
 def other_collectives(comm: Communicator) -> None:
     """reduce_scatter, allgather, broadcast from every root, barrier."""
     p = comm.size
@@ -116,5 +158,6 @@ def shape_mismatch(comm: Communicator) -> None:
 BODIES: dict[str, Callable[[Communicator], None]] = {
     "allreduce_every_algorithm": allreduce_every_algorithm,
     "other_collectives": other_collectives,
+    "parameter_server_variants": parameter_server_variants,
     "shape_mismatch": shape_mismatch,
 }

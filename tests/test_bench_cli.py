@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from collectives import BackendUnavailableError, Communicator
+from collectives import BackendUnavailableError, Communicator, allreduce_algorithms
 from collectives.bench import cli
 from collectives.bench.commands import main
 from collectives.bench.measure import IN_PLACE, OUT_OF_PLACE, bus_factor
@@ -57,7 +57,7 @@ def _spec(*argv: str):
 def test_defaults_and_options_reach_the_spec() -> None:
     spec = _spec()
     assert spec.collective == "allreduce" and spec.op == "sum" and spec.dtype == "float32"
-    assert spec.algorithms == ("ring", "tree", "hierarchical", "hierarchical_tree", "auto")
+    assert spec.algorithms == ("ring", "tree", "hierarchical", "hierarchical_tree", "parameter_server", "auto")
     spec = _spec(
         "-c", "reduce_scatter", "-o", "max", "-d", "int64", "-w", "1", "-i", "5", "-b", "1K", "-e", "4K", "-f", "2"
     )
@@ -184,7 +184,7 @@ def test_csv_and_json_hold_the_same_rows_and_the_run(tmp_path) -> None:
     environment = document["environment"]
     assert {"hostname", "timestamp", "versions", "load_average"} <= environment.keys()
     assert {"python", "numpy", "collectives"} <= environment["versions"].keys()
-    assert document["auto_choice"]["4096"] in ("ring", "tree", "hierarchical", "hierarchical_tree")
+    assert document["auto_choice"]["4096"] in allreduce_algorithms()
     json.dumps(document)  # plain JSON all the way down
 
 
@@ -261,7 +261,7 @@ def test_explain_puts_the_model_beside_the_measurement_and_auto_beside_the_faste
     assert set(rows) == {"ring", "tree", "auto"}
     assert all(float(rows[a][3]) > 0 for a in ("ring", "tree"))  # the model's prediction
     choice = rows["auto"][4]  # may be an algorithm not measured here
-    assert choice in ("ring", "tree", "hierarchical", "hierarchical_tree")
+    assert choice in allreduce_algorithms()
     assert [a for a in ("ring", "tree") if rows[a][4] == "*"] == ([choice] if choice in rows else [])
     fastest = min(("ring", "tree"), key=lambda a: float(rows[a][2]))
     gap = float(rows["auto"][2]) / float(rows[fastest][2]) - 1
@@ -277,7 +277,14 @@ def test_simulated_backend_prints_each_algorithm_beside_the_model_and_the_regret
     out = capsys.readouterr().out
     assert "simulated cluster of 2 x 2 ranks" in out and "# probed: intra 1.00 us 50.00 GB/s" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1024"], ["65536"])]
-    assert [row[1] for row in rows[:5]] == ["ring", "tree", "hierarchical", "hierarchical_tree", "regret"]
+    assert [row[1] for row in rows[:6]] == [
+        "ring",
+        "tree",
+        "hierarchical",
+        "hierarchical_tree",
+        "parameter_server",
+        "regret",
+    ]
     assert sum(row.count("*") for row in rows) == 4  # auto's pick and the fastest, at each size
     assert "# max regret of auto: 0.0%" in out
 

@@ -96,7 +96,14 @@ def test_auto_candidates_follow_the_registry(toy: AllReduceAlgorithm) -> None:
     flat = Topology(("a",) * 4)
     nodes = Topology(("a", "a", "b", "b"))
     assert registry.auto_candidates(flat) == ("ring", "tree", TOY)
-    assert registry.auto_candidates(nodes) == ("ring", "tree", "hierarchical", "hierarchical_tree", TOY)
+    assert registry.auto_candidates(nodes) == (
+        "ring",
+        "tree",
+        "hierarchical",
+        "hierarchical_tree",
+        "parameter_server",
+        TOY,
+    )
     assert "reference" not in registry.contenders() and TOY in registry.contenders()
 
 

@@ -17,6 +17,8 @@ Adding an algorithm is one new module that registers itself, imported once befor
     ))
 
 The library's own algorithms register when `collectives.algorithms` is imported (its `__init__`).
+An algorithm with options registers its default form once and builds the others from their names
+(`AllReduceAlgorithm.variant`: "parameter_server_2" is the parameter server with two servers).
 
 Cost functions share one notation (each algorithm's module docstring gives its formula): n bytes
 per rank, p ranks on N nodes of L ranks, s the segment size, t(m) = alpha + m beta the time of one
@@ -83,9 +85,17 @@ class AllReduceAlgorithm:
     is refused with a ValueError."""
     auto_candidate: Callable[[Topology], bool] | None = _everywhere
     """Where `auto` considers it (within `runs_on`); None: never (a test oracle, say)."""
+    variant: Callable[[str], AllReduceAlgorithm | None] | None = None
+    """For an algorithm with options: the entry of the variant a longer name spells (given
+    "parameter_server_2_greedy", the parameter server with two servers placed greedily), or None if
+    the name spells none. Every process finds a variant from its name alone, and the name travels in
+    every header, so ranks asking for different options get a `MismatchError`. Variants are not
+    listed (`names`, `auto`, the table): those show the algorithm's default form."""
 
 
 _REGISTRY: dict[str, AllReduceAlgorithm] = {}
+_VARIANTS: dict[str, AllReduceAlgorithm] = {}
+"""The variants looked up so far, by name."""
 
 
 def register(algorithm: AllReduceAlgorithm) -> AllReduceAlgorithm:
@@ -103,6 +113,8 @@ def unregister(name: str) -> None:
     """Remove the algorithm registered as `name` (tests and plug-ins that are unloaded)."""
     lookup(name)
     del _REGISTRY[name]
+    for variant in [variant for variant in _VARIANTS if variant.startswith(f"{name}_")]:
+        del _VARIANTS[variant]
 
 
 def names() -> tuple[str, ...]:
@@ -111,14 +123,26 @@ def names() -> tuple[str, ...]:
 
 
 def lookup(name: str) -> AllReduceAlgorithm:
-    """The algorithm registered as `name`, or a ValueError listing the ones there are."""
-    algorithm = _REGISTRY.get(name)
+    """The algorithm registered as `name` or the variant it names, or a ValueError listing the
+    algorithms there are."""
+    algorithm = _REGISTRY.get(name) or _VARIANTS.get(name) or _variant(name)
     if algorithm is None:
         raise ValueError(
             f"unknown all-reduce algorithm {name!r}; expected one of {', '.join(map(repr, _REGISTRY))}, "
             f"'auto', or 'native' on a backend with its own all-reduce"
         )
     return algorithm
+
+
+def _variant(name: str) -> AllReduceAlgorithm | None:
+    """The variant `name` spells of a registered algorithm with variants, remembered; or None."""
+    for family in _REGISTRY.values():
+        if family.variant is not None and name.startswith(f"{family.name}_"):
+            algorithm = family.variant(name)
+            if algorithm is not None:
+                _VARIANTS[name] = algorithm
+                return algorithm
+    return None
 
 
 def runnable(name: str, topology: Topology) -> AllReduceAlgorithm:
