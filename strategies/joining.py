@@ -21,7 +21,8 @@ A tape step is announced once, not per bucket, and in advance, so that its first
 wait for the other ranks: right after starting the last bucket of a step, a rank promises (without
 waiting) that its next join-aware collective is another step of the same layout. When that promise
 round finds every rank still training, the next step runs with no announcement at all; a rank that
-calls `join()` instead keeps its promise first, answering that one step with its own layout. When
+calls `join()` instead keeps its promise first, answering that one step with its own layout (so
+ranks that all call `join()` right after a step answer one step of identities together). When
 the round finds a rank that has joined, or the rank runs something else next, the promise is void
 and the next collective is announced as usual; a step announced that way is followed, only while
 some rank has joined, by a broadcast of its bucket layout (one row per bucket) from the first rank
