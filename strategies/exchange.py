@@ -7,6 +7,10 @@ gradients arrived in (the communicator pairs the k-th collective of each rank). 
 on the communicator's thread while backprop goes on; `collect` waits for a bucket and returns its
 gradients, averaged over ranks when asked.
 
+Each step is join-aware (see `joining`) at the cost of one small announcement per step, not per
+bucket: the announcement of step k+1 is promised right after step k's last bucket has started, so
+that step k+1's first bucket starts as soon as its gradients are ready.
+
 This module knows nothing of TensorFlow: it sees numpy arrays, so the same code serves eager
 gradient hooks and the numpy functions of a `tf.function` graph.
 """
@@ -24,7 +28,7 @@ from collectives.timeline import COMMUNICATION, Timeline
 from ._tensorflow import aligned_empty
 from .buckets import Bucket
 from .compression import Compressor
-from .joining import announced_allreduce_async
+from .joining import AnnouncedSteps
 
 
 class BucketExchange:
@@ -49,6 +53,7 @@ class BucketExchange:
         self._where = {
             slot.variable: (index, slot) for index, bucket in enumerate(self.buckets) for slot in bucket.slots
         }
+        self._announced = AnnouncedSteps(comm, [compressor.compress(buffer)[0] for buffer in self._buffers])
         self._lock = threading.Lock()
         self._reset()
 
@@ -117,10 +122,14 @@ class BucketExchange:
 
     def _start_ready(self) -> None:
         while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            if self._next == 0:
+                self._announced.begin()
             wire, self._contexts[self._next] = self.compressor.compress(self._buffers[self._next])
             result = aligned_empty(wire.shape, wire.dtype)  # fresh each step: tensors may share it
-            self._works[self._next] = announced_allreduce_async(self.comm, wire, out=result)
+            self._works[self._next] = self.comm.allreduce_async(wire, out=result)
             self._next += 1
+            if self._next == len(self.buckets):
+                self._announced.promise_next()
 
     def _reset(self) -> None:
         self._arrived: set[int] = set()

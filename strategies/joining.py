@@ -5,17 +5,30 @@ the all-reduces the others still run (the `DistributedGradientTape`'s buckets, `
 `grouped_allreduce`) with a contribution that changes nothing; then every rank returns from
 `join()` the rank that joined last.
 
-A joined rank cannot guess what the others will call next, so the others tell it: every
-join-aware collective is preceded by an announcement, a small all-gather of one fixed-size record
-per rank. A rank still training announces what it is about to run (all-reduce, dtype, element
-count, op, algorithm); a joined rank announces that it has joined. So each announcement also tells
-the ranks still training, at every step, which ranks have joined, and tells a joined rank what to
-answer:
+A joined rank cannot guess what the others will call next, so the others tell it in announcements:
+small all-gathers of one fixed-size record per rank. A rank still training announces what it is
+about to run (an all-reduce: dtype, element count, op, algorithm; or a tape step: its number of
+buckets and a digest of their layout); a joined rank announces that it has joined. So each
+announcement also tells the ranks still training which ranks have joined, and tells a joined rank
+what to answer:
 
     rank 0 (training)   announce allreduce f32 x 1000 sum  ->  allreduce(gradients)
     rank 1 (joined)     announce joined                    ->  allreduce(zeros(1000, f32), sum)
     ...
     once every record says "joined": every joined rank returns the last rank to join
+
+A tape step is announced once, not per bucket, and in advance, so that its first bucket need not
+wait for the other ranks: right after starting the last bucket of a step, a rank promises (without
+waiting) that its next join-aware collective is another step of the same layout. When that promise
+round finds every rank still training, the next step runs with no announcement at all; a rank that
+calls `join()` instead keeps its promise first, answering that one step with its own layout (so
+ranks that all call `join()` right after a step answer one step of identities together). When
+the round finds a rank that has joined, or the rank runs something else next, the promise is void
+and the next collective is announced as usual; a step announced that way is followed, only while
+some rank has joined, by a broadcast of its bucket layout (one row per bucket) from the first rank
+still training. Outside `join()` the tape pays one small all-gather per step, hidden behind the
+next forward pass; `allreduce` and `grouped_allreduce` pay one per call; plain `Communicator`
+collectives pay nothing.
 
 What a joined rank contributes is the identity of the op: zeros for sum and mean, ones for prod, the
 lowest and highest value for max and min, so that those three give the result of the ranks with
@@ -28,12 +41,16 @@ announcement too: a joined rank has no variables to compare, so the ranks compar
 
 While some rank has joined, the others may call only join-aware collectives and `join()`; anything
 else (a broadcast, the all-gather of sparse gradients) meets the joined rank's announcement and
-fails with `MismatchError` on every rank instead of hanging. Outside `join()` an announcement costs
-one small all-gather before each join-aware collective.
+fails with `MismatchError` on every rank instead of hanging. So does a program whose ranks run
+something other than the promised step after a tape step while a rank joins right after it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import threading
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -44,15 +61,18 @@ from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction
 from ._tensorflow import communicator
 
 _ACTIVE, _JOINED = 1, 2
-_ALLREDUCE, _CHECK = 1, 2
+_ALLREDUCE, _CHECK, _STEP, _PROMISE = 1, 2, 3, 4
+"""What a record announces: an all-reduce, a fingerprint check, a tape step, or the promise of one."""
 _OPS = tuple(ReduceOp)
 _DIGEST_WORDS = 4
-"""int64 words of a fingerprint digest (32 bytes) carried by a check's announcement."""
+"""int64 words of a digest (32 bytes): a check's fingerprint, a step's bucket layout."""
 
 _STATE, _FRESH, _KIND, _DTYPE, _COUNT, _OP, _ALGORITHM, _DIGEST = 0, 1, 2, 3, 4, 5, 6, 7
 _RECORD_WORDS = _DIGEST + _DIGEST_WORDS
-"""An announcement: state, fresh (a joined rank's first announcement), kind, dtype, count, op,
-algorithm, digest; int64 words."""
+"""An announcement: state, fresh (a joined rank's first announcement), kind, dtype, count (of
+elements; of buckets for a step), op, algorithm, digest; int64 words."""
+_ROW = slice(_DTYPE, _ALGORITHM + 1)
+"""The words of a record that describe one all-reduce: a row of a step's bucket layout."""
 
 
 def join(comm: Communicator | None = None) -> int:
@@ -72,6 +92,9 @@ def join(comm: Communicator | None = None) -> int:
     comm = communicator(comm)
     if comm.size == 1:
         return comm.rank
+    kept = _settle_promise(comm)
+    if kept is not None:  # every rank was promised one more step of this layout: answer it
+        _answer_step(comm, kept.rows)
     record = np.zeros(_RECORD_WORDS, dtype=np.int64)
     record[_STATE], record[_FRESH] = _JOINED, 1
     while True:
@@ -82,10 +105,10 @@ def join(comm: Communicator | None = None) -> int:
             return int(np.flatnonzero(records[:, _FRESH])[-1])
         plan = _agreed_plan(comm, records, training)
         if plan[_KIND] == _ALLREDUCE:
-            op = _OPS[plan[_OP]]
-            dtype = REDUCTION_DTYPES[plan[_DTYPE]]
-            algorithm = "auto" if plan[_ALGORITHM] == 0 else comm.algorithms[plan[_ALGORITHM] - 1]
-            comm.allreduce(np.full(int(plan[_COUNT]), _identity(op, dtype), dtype=dtype), op, algorithm)
+            _answer_allreduce(comm, plan[_ROW])
+        elif plan[_KIND] == _STEP:
+            _answer_step(comm, _received_layout(comm, plan, int(training[0])))
+        # a fingerprint check has nothing to answer; a promise seen by a joined rank is void
 
 
 def announced_allreduce(
@@ -95,18 +118,13 @@ def announced_allreduce(
     if comm.size == 1:
         return comm.allreduce(array, op, algorithm, out)
     flat = np.ascontiguousarray(array).reshape(-1)
-    _announce(comm, _allreduce_record(comm, flat, op, algorithm))
+    record = np.zeros(_RECORD_WORDS, dtype=np.int64)
+    record[_STATE], record[_KIND] = _ACTIVE, _ALLREDUCE
+    record[_ROW] = _allreduce_row(comm, flat, op, algorithm)
+    _settle_promise(comm)
+    _announce_agreed(comm, record)
     reduced = comm.allreduce(flat, op, algorithm, None if out is None else out.reshape(-1))
     return reduced.reshape(np.shape(array)) if out is None else out
-
-
-def announced_allreduce_async(
-    comm: Communicator, flat: np.ndarray, op: str | ReduceOp = "sum", out: np.ndarray | None = None
-) -> Work:
-    """`comm.allreduce_async(flat, op, out=out)` of a 1-D array, which ranks that have joined answer."""
-    if comm.size > 1:
-        comm.allgather_async(_allreduce_record(comm, flat, op, "auto"))
-    return comm.allreduce_async(flat, op, out=out)
 
 
 def announced_digests(comm: Communicator, digest: bytes) -> np.ndarray:
@@ -116,25 +134,112 @@ def announced_digests(comm: Communicator, digest: bytes) -> np.ndarray:
     record = np.zeros(_RECORD_WORDS, dtype=np.int64)
     record[_STATE], record[_KIND] = _ACTIVE, _CHECK
     record[_DIGEST:] = np.frombuffer(digest, dtype=np.int64)
+    _settle_promise(comm)
     records = _announce(comm, record)
     training = records[records[:, _STATE] == _ACTIVE]
     return np.ascontiguousarray(training[:, _DIGEST:]).view(np.uint8)
 
 
-def _allreduce_record(comm: Communicator, flat: np.ndarray, op: str | ReduceOp, algorithm: str) -> np.ndarray:
-    """The announcement of an all-reduce; checks what a joined rank must be able to repeat first, so
-    that bad arguments fail before anything is sent."""
+class AnnouncedSteps:
+    """The announcements of the steps of one bucket layout: `begin` before a step's first bucket,
+    `promise_next` once its last bucket has started (see the module docstring)."""
+
+    def __init__(self, comm: Communicator, wires: Sequence[np.ndarray]) -> None:
+        """`wires`: one array per bucket as it travels (dtype and size), all-reduced with "sum"."""
+        self.comm = comm
+        self.rows = np.array([_allreduce_row(comm, wire, "sum", "auto") for wire in wires], dtype=np.int64)
+        self._record = np.zeros(_RECORD_WORDS, dtype=np.int64)
+        self._record[_STATE], self._record[_KIND], self._record[_COUNT] = _ACTIVE, _STEP, len(self.rows)
+        self._record[_DIGEST:] = _digest_words(self.rows.tobytes())
+        self._promise = self._record.copy()
+        self._promise[_KIND] = _PROMISE
+
+    def begin(self) -> None:
+        """Announce the step unless every rank promised it last time; then, if some rank has
+        joined, send it the layout. Call before the step's first all-reduce."""
+        if self.comm.size == 1:
+            return
+        kept = _settle_promise(self.comm)
+        if kept is self:
+            return
+        records = _announce_agreed(self.comm, self._record)
+        training = np.flatnonzero(records[:, _STATE] == _ACTIVE)
+        if training.size < self.comm.size:
+            self.comm.broadcast(self.rows, int(training[0]))
+
+    def promise_next(self) -> None:
+        """Promise, without waiting, that this rank's next join-aware collective is another step of
+        this layout. Call once the step's last all-reduce has started."""
+        if self.comm.size == 1:
+            return
+        work = self.comm.allgather_async(self._promise)
+        with _promises_lock:
+            _promises[self.comm] = (work, self)
+
+
+_promises: weakref.WeakKeyDictionary[Communicator, tuple[Work, AnnouncedSteps]] = weakref.WeakKeyDictionary()
+"""Per communicator, the promise round this rank started last and not yet settled, and whose steps
+it promised."""
+_promises_lock = threading.Lock()
+
+
+def _settle_promise(comm: Communicator) -> AnnouncedSteps | None:
+    """Wait for this rank's open promise round, if any; the steps it promised when every rank was
+    still training and promised the same (they are then owed one such step), else None.
+
+    Raises:
+        MismatchError: every rank was training, but they promised different steps.
+    """
+    with _promises_lock:
+        open_round = _promises.pop(comm, None)
+    if open_round is None:
+        return None
+    work, promised = open_round
+    records = work.wait().reshape(comm.size, _RECORD_WORDS)
+    if (records[:, _STATE] != _ACTIVE).any():
+        return None
+    _agreed_plan(comm, records, np.arange(comm.size))
+    return promised
+
+
+def _received_layout(comm: Communicator, plan: np.ndarray, root: int) -> np.ndarray:
+    """The bucket layout (one row per bucket) of the step `plan` announced, as `root` broadcasts it."""
+    rows = comm.broadcast(np.zeros((int(plan[_COUNT]), _ROW.stop - _ROW.start), np.int64), root)
+    if not np.array_equal(_digest_words(rows.tobytes()), plan[_DIGEST:]):
+        raise MismatchError(
+            f"rank {comm.rank} (joined): the bucket layout broadcast by rank {root} differs from the one it "
+            f"announced ({_describe(plan)})"
+        )
+    return rows
+
+
+def _answer_step(comm: Communicator, rows: np.ndarray) -> None:
+    for row in rows:
+        _answer_allreduce(comm, row)
+
+
+def _answer_allreduce(comm: Communicator, row: np.ndarray) -> None:
+    """A joined rank's part in the all-reduce that `row` describes: the op's identity."""
+    dtype_index, count, op_index, algorithm_code = (int(word) for word in row)
+    op = _OPS[op_index]
+    dtype = REDUCTION_DTYPES[dtype_index]
+    algorithm = "auto" if algorithm_code == 0 else comm.algorithms[algorithm_code - 1]
+    comm.allreduce(np.full(count, _identity(op, dtype), dtype=dtype), op, algorithm)
+
+
+def _allreduce_row(comm: Communicator, flat: np.ndarray, op: str | ReduceOp, algorithm: str) -> np.ndarray:
+    """dtype, count, op and algorithm of an all-reduce, as a joined rank will repeat it; checks
+    them first, so that bad arguments fail before anything is sent."""
     op = ReduceOp.parse(op)
     check_reduction(op, flat.dtype)
     if algorithm != "auto" and algorithm not in comm.algorithms:
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected 'auto' or one of {comm.algorithms}")
-    record = np.zeros(_RECORD_WORDS, dtype=np.int64)
-    record[_STATE], record[_KIND] = _ACTIVE, _ALLREDUCE
-    record[_DTYPE] = REDUCTION_DTYPES.index(flat.dtype)
-    record[_COUNT] = flat.size
-    record[_OP] = _OPS.index(op)
-    record[_ALGORITHM] = 0 if algorithm == "auto" else comm.algorithms.index(algorithm) + 1
-    return record
+    algorithm_code = 0 if algorithm == "auto" else comm.algorithms.index(algorithm) + 1
+    return np.array([REDUCTION_DTYPES.index(flat.dtype), flat.size, _OPS.index(op), algorithm_code], dtype=np.int64)
+
+
+def _digest_words(data: bytes) -> np.ndarray:
+    return np.frombuffer(hashlib.sha256(data).digest(), dtype=np.int64)
 
 
 def _announce(comm: Communicator, record: np.ndarray) -> np.ndarray:
@@ -142,21 +247,39 @@ def _announce(comm: Communicator, record: np.ndarray) -> np.ndarray:
     return comm.allgather(record).reshape(comm.size, _RECORD_WORDS)
 
 
+def _announce_agreed(comm: Communicator, record: np.ndarray) -> np.ndarray:
+    """`_announce`, checking that the ranks still training announced the same as this one."""
+    records = _announce(comm, record)
+    _agreed_plan(comm, records, np.flatnonzero(records[:, _STATE] == _ACTIVE))
+    return records
+
+
 def _agreed_plan(comm: Communicator, records: np.ndarray, training: np.ndarray) -> np.ndarray:
     """The collective the ranks still training announced; a MismatchError if they disagree."""
     first = training[0]
     for other in training[1:]:
-        if not np.array_equal(records[other, _KIND:_DIGEST], records[first, _KIND:_DIGEST]):
+        if not np.array_equal(_compared(records[other]), _compared(records[first])):
+            joined = " (joined)" if records[comm.rank, _STATE] == _JOINED else ""
             raise MismatchError(
-                f"rank {comm.rank} (joined): ranks {first} and {other} announced different collectives: "
+                f"rank {comm.rank}{joined}: ranks {first} and {other} announced different collectives: "
                 f"{_describe(records[first])} and {_describe(records[other])}"
             )
     return records[first]
 
 
+def _compared(record: np.ndarray) -> np.ndarray:
+    """The words in which the ranks still training must agree: all but state and fresh, except the
+    digest of a fingerprint check (which the check itself compares)."""
+    return record[_KIND:_DIGEST] if record[_KIND] == _CHECK else record[_KIND:]
+
+
 def _describe(record: np.ndarray) -> str:
     if record[_KIND] == _CHECK:
         return "a variable fingerprint check"
+    if record[_KIND] in (_STEP, _PROMISE):
+        digest = record[_DIGEST:].tobytes().hex()[:12]
+        step = f"a tape step of {record[_COUNT]} buckets (layout {digest})"
+        return step if record[_KIND] == _STEP else f"the promise of {step}"
     return (
         f"all-reduce of {record[_COUNT]} {REDUCTION_DTYPES[record[_DTYPE]]} "
         f"op={_OPS[record[_OP]].value} algorithm code {record[_ALGORITHM]}"

@@ -1,7 +1,8 @@
-"""The Horovod-style operations: objects, join and its announcements on the threads backend (no
-TensorFlow needed), and every tensor operation (grouped all-reduce, all-to-all, reduce-scatter,
-objects, gradients, SyncBatchNormalization, join) in real processes over gRPC (launcher) and MPI
-(mpiexec), with 2 and 4 ranks: one job per backend and size runs tests/tf_scripts/ops_check.py."""
+"""The Horovod-style operations: objects, join and its announcements (of all-reduces and of tape
+steps) on the threads backend (no TensorFlow needed), and every tensor operation (grouped
+all-reduce, all-to-all, reduce-scatter, objects, gradients, SyncBatchNormalization, join) in real
+processes over gRPC (launcher) and MPI (mpiexec), with 2 and 4 ranks: one job per backend and size
+runs tests/tf_scripts/ops_check.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import test_processes
 
 import collectives
 from collectives import run_threads
+from collectives.strategies.buckets import plan_buckets
+from collectives.strategies.compression import Compression
+from collectives.strategies.exchange import BucketExchange
 from collectives.strategies.fingerprint import check_same_everywhere
 from collectives.strategies.joining import announced_allreduce, join
 from collectives.strategies.objects import allgather_object, broadcast_object
@@ -129,6 +133,107 @@ def test_announced_allreduce_checks_its_arguments_before_sending_anything() -> N
         np.testing.assert_array_equal(announced_allreduce(comm, np.ones((2, 2)), algorithm="ring"), np.full((2, 2), 2))
 
     run_threads(body, 2, timeout=20)
+
+
+_SHAPES = [(3,), (2, 2), (5,), (1,)]
+"""A gradient layout of four buckets (with `bucket_bytes=16`), two of them float64."""
+_DTYPES = [np.float32, np.float64, np.float32, np.float64]
+
+
+def _gradient(rank: int, step: int, variable: int) -> np.ndarray:
+    return np.full(_SHAPES[variable], rank + 10.0 * step + 100.0 * variable, _DTYPES[variable])
+
+
+def _tape_steps(comm: collectives.Communicator, steps: int, between: bool) -> tuple[list[dict], int]:
+    """`steps` steps of a bucket exchange (with an `announced_allreduce` after each when `between`),
+    then `join`."""
+    exchange = BucketExchange(
+        comm, plan_buckets(list(zip(_SHAPES, _DTYPES)), bucket_bytes=16), average=True, compressor=Compression.none
+    )
+    results = []
+    for step in range(steps):
+        for variable in reversed(range(len(_SHAPES))):
+            exchange.deposit(variable, _gradient(comm.rank, step, variable))
+        results.append(exchange.collect_all())
+        if between:
+            announced_allreduce(comm, np.ones(2, np.int64))
+    return results, join(comm)
+
+
+@pytest.mark.parametrize("between", [False, True], ids=["steps-only", "allreduce-between-steps"])
+@pytest.mark.parametrize("batches", [(3, 5, 0, 5), (2, 0), (0, 0, 0), (4, 1, 4), (2, 2)])
+def test_joined_ranks_answer_tape_steps(batches: tuple[int, ...], between: bool) -> None:
+    """Tape steps (bucket exchanges) on uneven data: every rank gets the same gradients, the mean
+    over all ranks of the gradients of the ranks that had a batch, whether or not other join-aware
+    collectives run between the steps."""
+    runs = run_threads(lambda comm: _tape_steps(comm, batches[comm.rank], between), len(batches), timeout=30)
+    last = max(r for r, count in enumerate(batches) if count == max(batches))
+    for rank, (results, last_joined) in enumerate(runs):
+        assert last_joined == last
+        assert len(results) == batches[rank]
+        for step, gradients in enumerate(results):
+            trained = [r for r, count in enumerate(batches) if count > step]
+            for variable in range(len(_SHAPES)):
+                total = sum(_gradient(r, step, variable).astype(np.float64) for r in trained)
+                expected = (total / len(batches)).astype(_DTYPES[variable])
+                np.testing.assert_array_equal(gradients[variable], runs[trained[0]][0][step][variable])
+                np.testing.assert_allclose(gradients[variable], expected, rtol=1e-6, err_msg=f"rank {rank}")
+
+
+def _recording_calls(comm: collectives.Communicator, calls: list[str]) -> None:
+    """Make `comm` append the name of every collective it starts to `calls` (the blocking calls go
+    through the asynchronous ones)."""
+    for name in ("allreduce_async", "allgather_async", "broadcast_async"):
+        method = getattr(comm, name)
+
+        def recorded(*args, _method=method, _name=name, **kwargs):
+            calls.append(_name.removesuffix("_async"))
+            return _method(*args, **kwargs)
+
+        setattr(comm, name, recorded)
+
+
+def test_tape_steps_announce_once_per_step_after_the_last_bucket_and_plain_calls_not_at_all() -> None:
+    """Without `join`, a step of four buckets costs one announcement, started after its last
+    bucket (so the next step's first bucket waits for no other rank); the very first step is
+    announced before it. Plain `Communicator` collectives announce nothing."""
+    buckets = plan_buckets(list(zip(_SHAPES, _DTYPES)), bucket_bytes=16)
+
+    def body(comm: collectives.Communicator) -> list[str]:
+        calls: list[str] = []
+        _recording_calls(comm, calls)
+        exchange = BucketExchange(comm, buckets, average=False, compressor=Compression.none)
+        for step in range(3):
+            for variable in range(len(_SHAPES)):
+                exchange.deposit(variable, _gradient(comm.rank, step, variable))
+            exchange.collect_all()
+        comm.allreduce(np.ones(3))
+        comm.allreduce_async(np.ones(3)).wait()
+        return calls
+
+    step = ["allreduce"] * len(buckets) + ["allgather"]
+    assert len(buckets) == 4
+    for calls in run_threads(body, 3, timeout=30):
+        assert calls == ["allgather"] + step * 3 + ["allreduce", "allreduce"]
+
+
+def test_tape_steps_that_disagree_fail_on_every_rank() -> None:
+    """Ranks promising different steps while nobody joined fail at the next step, on every rank."""
+
+    def body(comm: collectives.Communicator) -> str:
+        shapes = [(3,), (2 + comm.rank,)]
+        exchange = BucketExchange(
+            comm, plan_buckets([(s, np.float32) for s in shapes], 8), average=False, compressor=Compression.none
+        )
+        with pytest.raises(collectives.CollectiveError) as raised:
+            for _ in range(2):
+                for variable, shape in enumerate(shapes):
+                    exchange.deposit(variable, np.ones(shape, np.float32))
+                exchange.collect_all()
+        return str(raised.value)
+
+    for message in run_threads(body, 2, timeout=30):
+        assert "announced different collectives" in message or "mismatch" in message.lower(), message
 
 
 # -- every tensor operation in real processes -----------------------------------------------------
