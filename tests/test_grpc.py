@@ -823,5 +823,7 @@ def test_strangers_are_refused_and_the_world_still_works() -> None:
 def test_late_starting_rank_is_waited_for() -> None:
     world = run_world(2, ["allreduce"], delays={1: 2.0})
     per_rank = results(world)
-    assert per_rank[0]["startup"]["seconds"] > 1.5
+    # Rank 0 waited for rank 1's server: less than the 2 s by however much longer rank 0's own
+    # imports took than rank 1's (up to a second on a loaded machine).
+    assert per_rank[0]["startup"]["seconds"] > 0.5
     assert all("allreduce" in r for r in per_rank)
