@@ -49,8 +49,12 @@ With S = W co-located servers that is the ring's 2 (p-1)/p n beta with 2 (p-1) m
 in two rounds instead of 2 (p-1); fewer servers send fewer messages but move W/S times more bytes
 through each server, and between nodes every shard crosses the NIC of its server's node.
 `parameter_server_cost` counts all this per rank and per node from the cut and placement the code
-uses. `auto` considers the default variant on several nodes of several ranks only
-(`_among_hierarchical` says why).
+uses. `auto` does not consider it: the model ranks it close to the ring and the hierarchical
+algorithms, but measured it is not. On one node a receive is a memory copy by the rank's own core,
+made in turn with its reductions rather than beside them as the model (and the simulator) has it:
+on 4 thread ranks the ring is about 20% faster at 1 and 16 MiB. On 2 nodes of 2 ranks, tuned `auto`
+picked it from 1 MiB on and was 1.4-2x slower than the ring at 1 and 16 MiB. Name it explicitly
+(`algorithm="parameter_server"` or `parameter_server(S, ...)`) to compare it.
 """
 
 from __future__ import annotations
@@ -335,17 +339,6 @@ def parameter_server_cost(
     return (push + reducing + pull) / shards + (shards - 1) / shards * busiest
 
 
-def _among_hierarchical(topology: Topology) -> bool:
-    """Where `auto` considers the parameter server: where the hierarchical algorithms compete, on
-    several nodes of several ranks, and it loses to them because every shard crosses the NIC of
-    its server's node. On one node a receive is a memory copy by the rank's own core, made in turn
-    with its reductions rather than beside them as the model (and the simulator) has it: measured
-    on 4 thread ranks, the ring is about 20% faster at 1 and 16 MiB, where the model ties with or
-    prefers the parameter server. With one rank per node it is the ring's exchange in two rounds, which the model tells
-    apart from the ring by pipelining details only."""
-    return topology.is_hierarchical
-
-
 def _algorithm(options: ParameterServers) -> AllReduceAlgorithm:
     """The registry entry of one variant (the default is the one registered and listed)."""
     if options.num_servers is None:
@@ -357,12 +350,12 @@ def _algorithm(options: ParameterServers) -> AllReduceAlgorithm:
         summary=(
             f"workers push shards to parameter servers ({servers}, {options.placement.replace('_', '-')} "
             "placement), which reduce them in rank order and send them back; `parameter_server(S, ...)` names "
-            "other variants (auto: on several nodes with several ranks)"
+            "other variants (auto: never, see the module docstring)"
         ),
         steps=ignoring_nodes(functools.partial(parameter_server_steps, options=options)),
         cost=functools.partial(parameter_server_cost, options),
         runs_on=lambda topology: options.runs_on(topology.size),
-        auto_candidate=_among_hierarchical,
+        auto_candidate=None,
         variant=_variant,
     )
 
