@@ -1347,23 +1347,24 @@ class GrpcTransport(Transport):
 
     def _aborted(self, context: int, notice: tuple[int, str, str], since: int | None, skip: set[int]) -> None:
         """Fail the operations of `context` on tags from `since` on (all with None) for good: tell
-        the peers not in `skip` (unless it had aborted already; a later abort only widens what
-        fails, here), then fail what is pending. In that order, so that once a caller sees its
-        request fail, `close` finds the notices it must wait for before ending this rank's streams."""
+        the peers not in `skip` (unless the context had aborted already as widely: the notice
+        keeps the first abort's error), then fail what is pending. In that order, so that once a
+        caller sees its request fail, `close` finds the notices it must wait for before ending
+        this rank's streams."""
         with self._lock:
             failure = self._failures.setdefault(context, _ContextFailure())
-            first = failure.notice is None
-            if first:
-                failure.notice, failure.since = notice, since
+            if failure.notice is None:
+                failure.notice, failure.since, news = notice, since, True
             else:
-                failure.since = earlier_abort(failure.since, since)
-            notice, since = failure.notice or notice, failure.since
+                widened = earlier_abort(failure.since, since)
+                news, failure.since = widened != failure.since, widened
+            notice, since = failure.notice, failure.since
 
             def reached(tag: int) -> bool:
                 return tag >> CONTEXT_SHIFT == context and abort_reaches(tag & (LIBRARY_TAGS - 1), since)
 
             victims = self._withdraw(reached)
-        if first:
+        if news:
             self._broadcast_abort(context, notice, since, skip)
         for request in victims:
             request._finish(error_from_abort(*notice, rank=self.rank))
