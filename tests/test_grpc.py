@@ -540,6 +540,15 @@ def test_abort_spares_earlier_tags(world: list[Any]) -> None:
         a.isend(np.zeros(1), 1, 5, H).wait(0)
 
 
+def assert_delivered(sender: Any, receiver: Any, tag: int) -> None:
+    """A message from `sender` (rank 0) on `tag` reaches `receiver` (rank 1) whole."""
+    out = np.zeros(3)
+    receive = receiver.irecv(out, 0, tag, H)
+    sender.isend(np.arange(3.0), 1, tag, H).wait(5)
+    receive.wait(5)
+    np.testing.assert_array_equal(out, np.arange(3.0))
+
+
 @requires_grpc
 def test_abort_notice_with_a_changed_field_is_refused(world: list[Any]) -> None:
     """The MAC covers the whole notice: one whose `since` was changed on the way is refused."""
@@ -561,10 +570,7 @@ def test_abort_notice_with_a_changed_field_is_refused(world: list[Any]) -> None:
     with pytest.raises(grpc.RpcError) as refused:
         call(iter(()), timeout=5, metadata=metadata)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    out = np.zeros(3)
-    receive = b.irecv(out, 0, 1, H)
-    a.isend(np.ones(3), 1, 1, H).wait(5)
-    receive.wait(5)  # not aborted
+    assert_delivered(a, b, 1)  # not aborted
 
 
 @requires_grpc
@@ -598,20 +604,13 @@ def test_aborting_or_closing_a_duplicate_leaves_the_others_working(world: list[A
         pending.wait(5)
     with pytest.raises(MismatchError):
         broken_b.isend(np.zeros(1), 0, 3, H).wait(0)
-    for sender, receiver in ((a, b), (other_a, other_b)):
-        out = np.zeros(3)
-        receive = receiver.irecv(out, 0, 3, H)
-        sender.isend(np.ones(3), 1, 3, H).wait(5)
-        receive.wait(5)
-        np.testing.assert_array_equal(out, np.ones(3))
+    assert_delivered(a, b, 3)
+    assert_delivered(other_a, other_b, 3)
     waiting = other_b.irecv(np.zeros(1), 0, 4, H)
     other_b.close()
     with pytest.raises(PeerLostError, match="closed"):
         waiting.wait(5)
-    out = np.zeros(3)
-    receive = b.irecv(out, 0, 4, H)
-    a.isend(np.ones(3), 1, 4, H).wait(5)
-    receive.wait(5)
+    assert_delivered(a, b, 4)
     still_waiting = broken_b.dup(2).irecv(np.zeros(1), 0, 4, H)
     b.close()  # closes its duplicates
     with pytest.raises(PeerLostError, match="closed"):
