@@ -1041,9 +1041,10 @@ class GrpcTransport(Transport):
         recv, incoming = landing.recv, landing.incoming
         if incoming is not None:
             with self._lock:
-                incoming.parts.append(data)
-                incoming.received += len(data)
-                self._charge(incoming, _held_bytes(data))
+                if landing.incoming is incoming:  # else dropped meanwhile (abort, close): no longer counted
+                    incoming.parts.append(data)
+                    incoming.received += len(data)
+                    self._charge(incoming, _held_bytes(data))
         elif recv is not None:
             if recv.consume is not None:
                 landing.parts.append(data)
