@@ -807,15 +807,17 @@ class GrpcTransport(Transport):
         request = _Request("send", self.rank, dst, tag, buf, header)
         with self._lock:
             refusal = self._refusal(dst, tag)
-            if refusal is None and dst != self.rank:
-                # Queued under the lock: a peer lost or a close after this drains the queue.
-                self._outboxes[dst].put(request)
-                return request
         if refusal is not None:
             request._finish(refusal)
             return request
-        self._arrive_whole(self.rank, tag, header, buf.nbytes, memoryview(buf.tobytes()))
-        request._finish()
+        if dst == self.rank:
+            self._arrive_whole(self.rank, tag, header, buf.nbytes, memoryview(buf.tobytes()))
+            request._finish()
+            return request
+        outbox = self._outboxes[dst]
+        outbox.put(request)
+        if dst in self._lost:  # raced with its loss, which drained the queue
+            self._fail_queue(outbox, self._lost[dst])
         return request
 
     def _frames(self, peer: int, outbox: queue.SimpleQueue) -> Iterator[bytes]:
