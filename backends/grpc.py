@@ -37,17 +37,27 @@ Send completion. A send completes once its last frame has been copied out of the
 buffer (MPI's "buffer reusable" semantics); `close` then flushes the stream before returning.
 
 Failure handling.
-* `abort(error)` sends a small ``Abort`` call (origin, kind, text) to every peer, fire and forget
-  with a short deadline; a rank receiving it fails every pending and future request with
-  `error_from_abort`, and passes the notice on to the others (so it reaches everyone even if the
-  origin dies, and always before this rank's streams end: `close` waits for the notices first,
-  so peers learn the real cause rather than "rank r closed").
+* `abort(error, since_tag)` sends a small ``Abort`` call (origin, kind, text, context, since_tag)
+  to every peer, fire and forget with a short deadline; a rank receiving it fails every pending
+  and future request of that context on tags from `since_tag` on (`abort_reaches`) with
+  `error_from_abort`, so that one still finishing an earlier collective (its `init()`) finishes
+  it, and passes the notice on to the others (so it reaches everyone even if the origin dies, and
+  always before this rank's streams end: `close` waits for the notices first, so peers learn the
+  real cause rather than "rank r closed"). Queued sends it reaches fail when the stream comes to
+  them, so that the queue keeps its order.
 * A peer whose process dies breaks both streams with it at once (the kernel closes the sockets):
   the server sees its incoming stream cancelled, the client sees its outgoing call fail, and
   either marks the peer lost, failing every pending receive from it (the one whose message it cut
   off included) and every send to it with `PeerLostError` naming it. HTTP/2 keepalive (20 s)
   catches peers whose machine vanished.
 * A peer closing cleanly ends its stream; receives it can no longer satisfy fail the same way.
+
+Duplicates. `dup(key)` returns a `GrpcDuplicate`: a view over the same streams whose messages
+travel on tags moved into a range of their own, ``context << 30 | tag`` (library tags are below
+``LIBRARY_TAGS`` = 2**30; the context id, derived from the parent's and `key`, is below 2**32, so
+the wire tag fits the prefix). Matching needs nothing new: a tag range is a message space. Aborts
+and closing are per context (`_ContextFailure`), so breaking one duplicate leaves the others and
+the transport working; closing the transport closes its duplicates.
 
 Start-up. The constructor binds this rank's address (or ``bind``, e.g. ``0.0.0.0:2222`` where the
 listed name does not resolve yet), then greets every peer with exponentially growing attempts until
@@ -71,7 +81,8 @@ direction. The server keeps no state per Hello (strangers could flood it): nonce
 under a key only its process knows, so the Stream call can be checked against the Hello that
 issued it. A rank accepts exactly one stream per peer for its lifetime, so a proof cannot be
 replayed either. A squatter on a rank's port sees only nonces, cannot answer with a valid proof and
-is refused by its caller. Abort notices are numbered and MACed under K (a replayed one is refused).
+is refused by its caller. Abort notices are numbered and MACed under K, over the whole notice (a
+replayed one is refused).
 Without a secret the same handshake runs under an empty key: it still checks identities, but
 anyone can complete it.
 
@@ -106,6 +117,7 @@ module's logic (``bench_grpc.py --raw``) measure the same at 16 MiB and about 20
 from __future__ import annotations
 
 import atexit
+import hashlib
 import hmac
 import itertools
 import json
@@ -126,7 +138,16 @@ import numpy as np
 
 from . import _grpc_config as wire
 from .base import Consume, LockRequest, Transport, check_buffer, wait_first
-from .errors import BackendUnavailableError, CollectiveError, PeerLostError, abort_kind, error_from_abort
+from .errors import (
+    LIBRARY_TAGS,
+    BackendUnavailableError,
+    CollectiveError,
+    PeerLostError,
+    abort_kind,
+    abort_reaches,
+    earlier_abort,
+    error_from_abort,
+)
 from .matching import Matcher, check, receive_payload
 
 log = logging.getLogger(__name__)
@@ -179,6 +200,12 @@ IDLE_CONNECTION_MS = 30_000
 """The server closes connections that carry no call for this long (strangers' connections)."""
 TLS_PROBE_SECONDS = 2.0
 
+
+CONTEXT_SHIFT = LIBRARY_TAGS.bit_length() - 1
+"""A message of context c on tag t travels on the wire tag ``c << CONTEXT_SHIFT | t``: tags are
+below `LIBRARY_TAGS`, so every context has a tag range of its own."""
+MAX_CONTEXTS = wire.MAX_TAG >> CONTEXT_SHIFT
+"""Context ids fit, shifted, in the frame prefix's tag."""
 
 _STREAM_ENDED = "is lost: its stream ended (it closed its transport, or its process exited or died)"
 """Why a peer is gone when its stream ended without an error: a killed process's can end so too."""
@@ -355,6 +382,26 @@ class _Session:
         self.last_abort = 0
 
 
+class _ContextFailure:
+    """Why a context (the transport's own, 0, or a duplicate's) refuses operations: an abort of
+    its operations from tag `since` on (all with None), or its closing."""
+
+    __slots__ = ("notice", "since", "closed")
+
+    def __init__(self) -> None:
+        self.notice: tuple[int, str, str] | None = None  # (origin, kind, text) of the first abort
+        self.since: int | None = None
+        self.closed = False
+
+    def refusal(self, tag: int, rank: int) -> CollectiveError | None:
+        """Why an operation on the context's `tag` must fail at once, or None."""
+        if self.closed:
+            return PeerLostError(f"rank {rank}: transport already closed")
+        if self.notice is not None and abort_reaches(tag, self.since):
+            return error_from_abort(*self.notice, rank=rank)
+        return None
+
+
 class _Gate:
     """Server interceptor: authenticates Stream and Abort calls from their metadata alone, so a
     caller that cannot prove itself is refused before gRPC reads a byte of its body."""
@@ -454,7 +501,9 @@ class GrpcTransport(Transport):
         self._last_sequence = [0] * self.size  # per source: the number of its last message (they count from 1)
         self._landing: dict[int, _Landing] = {}  # per source: receives being filled frame by frame
         self._lost: dict[int, CollectiveError] = {}
-        self._abort: tuple[int, str, str] | None = None
+        self._failures: dict[int, _ContextFailure] = {}
+        """Per context (see `dup`): why its operations fail, once it aborted or closed."""
+        self._contexts = {0}  # this transport's own and its duplicates'
         self._closed = False
         self._sessions: dict[int, _Session] = {}  # per source: its one authenticated stream, for good
         self._cookie_key = os.urandom(32)  # lets Hello stay stateless: see `_cookie`
@@ -751,9 +800,13 @@ class GrpcTransport(Transport):
 
     def isend(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> _Request:
         self._check(buf, dst, tag, header)
+        return self._send(buf, dst, tag, header)
+
+    def _send(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> _Request:
+        """`isend` on the wire tag `tag` (checked arguments)."""
         request = _Request("send", self.rank, dst, tag, buf, header)
         with self._lock:
-            refusal = self._refusal(dst)
+            refusal = self._refusal(dst, tag)
         if refusal is not None:
             request._finish(refusal)
             return request
@@ -763,8 +816,8 @@ class GrpcTransport(Transport):
             return request
         outbox = self._outboxes[dst]
         outbox.put(request)
-        if dst in self._lost or self._abort is not None:  # raced with a failure that drained the queue
-            self._fail_queue(outbox, self._refusal(dst) or PeerLostError(f"rank {self.rank}: peer rank {dst} is gone"))
+        if dst in self._lost:  # raced with its loss, which drained the queue
+            self._fail_queue(outbox, self._lost[dst])
         return request
 
     def _frames(self, peer: int, outbox: queue.SimpleQueue) -> Iterator[bytes]:
@@ -775,8 +828,13 @@ class GrpcTransport(Transport):
             request = outbox.get()
             if request is None:
                 return
-            if request.finished:  # failed by an abort or a lost peer while queued
+            if request.finished:  # failed by a lost peer while queued
                 continue
+            if self._failures:  # its context aborted or closed while it was queued
+                failure = self._context_failure(request.tag)
+                if failure is not None:
+                    request._finish(failure)
+                    continue
             header, buf = request.header, request.buf
             if buf is None:
                 continue
@@ -816,6 +874,7 @@ class GrpcTransport(Transport):
     # -- receiving ----------------------------------------------------------------------------------
 
     def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> _Request:
+        self._check(buf, src, tag, header)
         return self._post_recv(buf, src, tag, header, None)
 
     # A transport is only ever given its own requests to wait for, which the base signature cannot say.
@@ -826,18 +885,18 @@ class GrpcTransport(Transport):
         wait_first(requests, timeout)
 
     def irecv_reduce(self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Consume) -> _Request:
+        self._check(buf, src, tag, header)
         return self._post_recv(buf, src, tag, header, consume)
 
     def _post_recv(self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Consume | None) -> _Request:
-        self._check(buf, src, tag, header)
+        """`irecv` (or `irecv_reduce`) on the wire tag `tag` (checked arguments)."""
         if consume is None and not buf.flags.writeable:
             raise ValueError("receive buffers must be writeable")
         request = _Request("recv", self.rank, src, tag, buf, header, consume)
         incoming = None
         with self._lock:
-            if self._abort is not None or self._closed:
-                refusal = self._refusal(src)
-            else:
+            refusal = self._failure(tag)
+            if refusal is None:
                 incoming = self._matcher.take_message((src, tag))
                 # A lost sender sends nothing more: only what it finished sending can be received.
                 refusal = None if incoming is not None and incoming.complete else self._lost.get(src)
@@ -862,8 +921,8 @@ class GrpcTransport(Transport):
             raise TypeError(f"the grpc backend moves numpy arrays, got {type(buf).__name__}")
         if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
             raise ValueError(f"rank {self.rank}: peer {peer!r} is outside the world of size {self.size}")
-        if not 0 <= tag < wire.MAX_TAG:
-            raise ValueError(f"tag must be in 0..{wire.MAX_TAG - 1}, got {tag}")
+        if not 0 <= tag < LIBRARY_TAGS:
+            raise ValueError(f"tag must be in 0..{LIBRARY_TAGS - 1}, got {tag}")
         if not isinstance(header, bytes) or len(header) > wire.MAX_HEADER_BYTES:
             raise ValueError(f"header must be bytes of at most {wire.MAX_HEADER_BYTES} bytes")
 
@@ -896,7 +955,7 @@ class GrpcTransport(Transport):
     def _arrive_whole(self, src: int, tag: int, header: bytes, total: int, data: memoryview) -> None:
         """A message that came in one frame (or was sent to this rank itself)."""
         with self._lock:
-            if self._abort is not None or self._closed:
+            if self._failure(tag) is not None:
                 return
             recv = self._matcher.take_receive((src, tag))
             if recv is None:
@@ -944,11 +1003,11 @@ class GrpcTransport(Transport):
                     f"the {self._max_unmatched} bytes rank {self.rank} holds for a peer (max_unmatched_bytes)"
                 )
         needed = len(header) + MESSAGE_OVERHEAD_BYTES + _held_bytes(data)
-        self._wait_for_space(src, needed, lambda: self._matcher.has_receive(key))
+        self._wait_for_space(src, needed, lambda: self._matcher.has_receive(key) or self._failure(tag) is not None)
 
     def _wait_for_space(self, src: int, needed: int, awaited: Callable[[], bool]) -> None:
         """Stop reading from `src` while holding `needed` more bytes of its data would exceed its
-        limit, until `awaited()` says a receive waits for them (asked with the lock held)."""
+        limit, until `awaited()` says a receive waits for them or nobody will (asked with the lock held)."""
         if self._unmatched_bytes[src] + needed <= self._max_unmatched:
             return
         with self._lock:
@@ -956,7 +1015,6 @@ class GrpcTransport(Transport):
                 self._unmatched_bytes[src] > 0
                 and self._unmatched_bytes[src] + needed > self._max_unmatched
                 and not awaited()
-                and self._abort is None
                 and not self._closed
                 and src not in self._lost
             ):
@@ -965,7 +1023,7 @@ class GrpcTransport(Transport):
     def _begin(self, src: int, tag: int, header: bytes, total: int, data: memoryview) -> None:
         """First frame of a multi-frame message."""
         with self._lock:
-            if self._abort is not None or self._closed:
+            if self._failure(tag) is not None:  # nobody gets it: skipped
                 landing = _Landing(tag, total)
             else:
                 recv = self._matcher.take_receive((src, tag))
@@ -985,9 +1043,10 @@ class GrpcTransport(Transport):
         recv, incoming = landing.recv, landing.incoming
         if incoming is not None:
             with self._lock:
-                incoming.parts.append(data)
-                incoming.received += len(data)
-                self._charge(incoming, _held_bytes(data))
+                if landing.incoming is incoming:  # else dropped meanwhile (abort, close): no longer counted
+                    incoming.parts.append(data)
+                    incoming.received += len(data)
+                    self._charge(incoming, _held_bytes(data))
         elif recv is not None:
             if recv.consume is not None:
                 landing.parts.append(data)
@@ -1006,7 +1065,7 @@ class GrpcTransport(Transport):
             raise wire.FrameError(f"message frames add up to {received} bytes, not {total}")
         held = landing.incoming
         if held is not None:
-            self._wait_for_space(src, _held_bytes(data), lambda: held.recv is not None)
+            self._wait_for_space(src, _held_bytes(data), lambda: held.recv is not None or landing.incoming is None)
         self._land(landing, data)
         if not flags & wire.FLAG_LAST:
             return
@@ -1179,17 +1238,21 @@ class GrpcTransport(Transport):
         try:
             notice = json.loads(metadata[NOTICE_METADATA_KEY])
             origin, kind, text = notice["origin"], notice["kind"], notice["text"]
+            communicator, since = notice["context"], notice["since"]
             if not (
-                isinstance(origin, int)
+                type(origin) is int
                 and 0 <= origin < self.size
                 and kind in ("mismatch", "lost")
                 and isinstance(text, str)
+                and type(communicator) is int
+                and 0 <= communicator < MAX_CONTEXTS
+                and (since is None or (type(since) is int and 0 <= since < LIBRARY_TAGS))
             ):
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             self._refuse(context, self._grpc.StatusCode.INVALID_ARGUMENT, "malformed abort notice")
         # Passed on to the other peers (not back to the origin or the sender).
-        self._aborted((origin, kind, text[:MAX_ABORT_TEXT]), skip={origin, src})
+        self._aborted(communicator, (origin, kind, text[:MAX_ABORT_TEXT]), since, skip={origin, src})
         return b""
 
     def _serve_stream(self, frames: Iterator[bytes], context: Any) -> bytes:
@@ -1234,13 +1297,24 @@ class GrpcTransport(Transport):
 
     # -- failures -----------------------------------------------------------------------------------
 
-    def _refusal(self, peer: int) -> CollectiveError | None:
-        """Why a new request with `peer` must fail at once, or None. Lock held."""
-        if self._abort is not None:
-            return error_from_abort(*self._abort, rank=self.rank)
-        if self._closed:
-            return PeerLostError(f"rank {self.rank}: transport already closed")
-        return self._lost.get(peer)
+    def _context_failure(self, tag: int) -> CollectiveError | None:
+        """Why an operation on the wire tag `tag` must fail at once because its context aborted
+        (from an earlier tag on) or closed, or None."""
+        failure = self._failures.get(tag >> CONTEXT_SHIFT)
+        return None if failure is None else failure.refusal(tag & (LIBRARY_TAGS - 1), self.rank)
+
+    def _failure(self, tag: int) -> CollectiveError | None:
+        """`_context_failure`, or the transport closed: why an operation on `tag` must fail at once,
+        whatever its peer. Lock held."""
+        if self._failures:
+            failure = self._context_failure(tag)
+            if failure is not None:
+                return failure
+        return PeerLostError(f"rank {self.rank}: transport already closed") if self._closed else None
+
+    def _refusal(self, peer: int, tag: int) -> CollectiveError | None:
+        """Why a new request with `peer` on `tag` must fail at once, or None. Lock held."""
+        return self._failure(tag) or self._lost.get(peer)
 
     def _peer_gone(self, peer: int, text: str) -> None:
         """Fail what can no longer complete because `peer` left; keep what it already sent."""
@@ -1274,42 +1348,100 @@ class GrpcTransport(Transport):
             else:
                 request._finish(error)
 
-    def _aborted(self, abort: tuple[int, str, str], skip: set[int]) -> None:
-        """Enter the aborted state (unless already in it): tell the peers not in `skip`, then
-        fail everything pending. In that order, so that once a caller sees its request fail,
-        `close` finds the notices it must wait for before ending this rank's streams."""
+    def _aborted(self, context: int, notice: tuple[int, str, str], since: int | None, skip: set[int]) -> None:
+        """Fail the operations of `context` on tags from `since` on (all with None) for good: tell
+        the peers not in `skip` (unless the context had aborted already as widely: the notice
+        keeps the first abort's error), then fail what is pending. In that order, so that once a
+        caller sees its request fail, `close` finds the notices it must wait for before ending
+        this rank's streams."""
         with self._lock:
-            if self._abort is not None:
-                return
-            self._abort = abort
-            victims = self._withdraw_receives()
-            self._unmatched_bytes = [0] * self.size
-        self._broadcast_abort(abort, skip)
-        for request in victims:
-            request._finish(error_from_abort(*abort, rank=self.rank))
-        for outbox in self._outboxes.values():
-            self._fail_queue(outbox, error_from_abort(*abort, rank=self.rank))
+            failure = self._failures.setdefault(context, _ContextFailure())
+            if failure.notice is None:
+                failure.notice, failure.since, news = notice, since, True
+            else:
+                widened = earlier_abort(failure.since, since)
+                news, failure.since = widened != failure.since, widened
+            notice, since = failure.notice, failure.since
 
-    def _withdraw_receives(self) -> list[_Request]:
-        """Forget every waiting receive and held message (the transport failed or closes); returns
-        the receives, to be failed, including those being filled frame by frame. Lock held."""
-        victims, _ = self._matcher.drain()
+            def reached(tag: int) -> bool:
+                return tag >> CONTEXT_SHIFT == context and abort_reaches(tag & (LIBRARY_TAGS - 1), since)
+
+            victims = self._withdraw(reached)
+        if news:
+            self._broadcast_abort(context, notice, since, skip)
+        for request in victims:
+            request._finish(error_from_abort(*notice, rank=self.rank))
+        # Queued sends it reaches fail as the stream comes to them (`_frames`).
+
+    def _withdraw(self, reached: Callable[[int], bool]) -> list[_Request]:
+        """Forget the waiting receives and held messages on the wire tags `reached` picks, and
+        let the rest of their messages still arriving go nowhere; returns the receives, to be
+        failed, including those being filled frame by frame. Lock held."""
+        victims, dropped = self._matcher.withdraw(lambda recv: reached(recv.tag), lambda held: reached(held.tag))
+        for held in dropped:
+            self._unmatched_bytes[held.src] -= held.charged
         for landing in self._landing.values():
-            receive = landing.receive()
-            if receive is not None:
-                victims.append(receive)
+            if reached(landing.tag):
+                receive = landing.receive()
+                if receive is not None:
+                    victims.append(receive)
+                if landing.incoming is not None and landing.incoming.recv is not None:  # taken, so not in `dropped`
+                    self._unmatched_bytes[landing.incoming.src] -= landing.incoming.charged
+                landing.recv = landing.incoming = None
         self._space.notify_all()
         return victims
 
-    def abort(self, error: BaseException, since_tag: int | None = None) -> None:  # fails everything: no since_tag
-        self._aborted((self.rank, abort_kind(error), str(error)), skip=set())
+    def abort(self, error: BaseException, since_tag: int | None = None) -> None:
+        self._abort_context(0, error, since_tag)
 
-    def _broadcast_abort(self, notice: tuple[int, str, str], skip: set[int]) -> None:
+    def _abort_context(self, context: int, error: BaseException, since_tag: int | None) -> None:
+        """`abort` of one context: this rank's own failure, told to every peer."""
+        if since_tag is not None and not 0 <= since_tag < LIBRARY_TAGS:
+            raise ValueError(f"since_tag must be None or in 0..{LIBRARY_TAGS - 1}, got {since_tag}")
+        self._aborted(context, (self.rank, abort_kind(error), str(error)), since_tag, skip=set())
+
+    duplicable = True
+
+    def dup(self, key: int) -> GrpcDuplicate:
+        return self._duplicate(0, key)
+
+    def _duplicate(self, parent: int, key: int) -> GrpcDuplicate:
+        """A duplicate of context `parent` for `key`. Its context id is derived from both (every
+        rank derives the same, whatever order its threads duplicate in), hashed into the ids the
+        frame prefix can carry; a collision with a live context is refused rather than shared."""
+        digest = hashlib.sha256(f"{parent}:{key}".encode()).digest()
+        context = int.from_bytes(digest[:8], "little") % (MAX_CONTEXTS - 1) + 1
+        with self._lock:
+            if self._closed:
+                raise PeerLostError(f"rank {self.rank}: transport already closed")
+            if context in self._contexts:
+                raise CollectiveError(
+                    f"rank {self.rank}: duplicate {key} of context {parent} would share context {context} "
+                    "with a live one; duplicate again (the next key gets another)"
+                )
+            self._contexts.add(context)
+        return GrpcDuplicate(self, context)
+
+    def _close_context(self, context: int) -> None:
+        """Close one duplicate: its pending operations fail, later ones fail at once and what its
+        peers still send it is dropped; the other contexts go on."""
+        with self._lock:
+            failure = self._failures.setdefault(context, _ContextFailure())
+            if failure.closed:
+                return
+            failure.closed = True
+            victims = self._withdraw(lambda tag: tag >> CONTEXT_SHIFT == context)
+        for request in victims:
+            request._finish(PeerLostError(f"rank {self.rank}: transport closed with a {request.kind} pending"))
+
+    def _broadcast_abort(self, context: int, notice: tuple[int, str, str], since: int | None, skip: set[int]) -> None:
         """Send an abort notice to every other peer: fire and forget (`close` waits for them). It
-        travels as metadata, numbered and MACed under the session key shared with that peer."""
+        travels as metadata, numbered and MACed under the session key shared with that peer; the
+        MAC covers the whole notice, the context and `since` included."""
         grpc = self._grpc
         origin, kind, text = notice
-        body = json.dumps({"origin": origin, "kind": kind, "text": text[:MAX_ABORT_TEXT]}).encode()
+        fields = {"origin": origin, "kind": kind, "text": text[:MAX_ABORT_TEXT], "context": context, "since": since}
+        body = json.dumps(fields).encode()
         counter = str(next(self._abort_counter))
         for peer, key in self._keys.items():
             if peer in skip or peer in self._lost:
@@ -1333,7 +1465,7 @@ class GrpcTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            victims = self._withdraw_receives()
+            victims = self._withdraw(lambda tag: True)  # the duplicates' too: they close with it
         for request in victims:
             request._finish(PeerLostError(f"rank {self.rank}: transport closed with a {request.kind} pending"))
         for call in self._abort_calls:  # let abort notices overtake the end of our streams
@@ -1344,10 +1476,12 @@ class GrpcTransport(Transport):
         for outbox in self._outboxes.values():
             outbox.put(None)  # ends the stream after the frames already queued
         deadline = time.monotonic() + CLOSE_FLUSH_SECONDS
+        own = self._failures.get(0)
+        everything_failed = own is not None and own.notice is not None and own.since is None
         flush = (
             []
-            if self._abort is not None
-            else [  # after an abort the data is of no use
+            if everything_failed
+            else [  # after an abort of everything the data is of no use
                 call for peer, call in self._stream_calls.items() if peer not in self._lost
             ]
         )
@@ -1379,3 +1513,48 @@ class GrpcTransport(Transport):
             f"GrpcTransport(rank={self.rank}, size={self.size}, "
             f"address={self.addresses[self.rank]!r}, host={self.host!r})"
         )
+
+
+class GrpcDuplicate(Transport):
+    """A duplicate of a `GrpcTransport` (`dup`): the same ranks, connections and server, its own
+    message space, order and failures.
+
+    Its messages travel on the streams of the transport it came from, on tags moved into a range
+    of their own (its context id above the library's tags), so they never match another
+    context's and the transport's own hot path is unchanged. Aborting or closing it fails only its
+    operations; closing the transport it came from closes it too.
+    """
+
+    fuses_receive_reduce = False
+    duplicable = True
+
+    def __init__(self, transport: GrpcTransport, context: int) -> None:
+        self._transport = transport
+        self._context = context
+        self._offset = context << CONTEXT_SHIFT
+        self.rank = transport.rank
+        self.size = transport.size
+        self.host = transport.host
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> _Request:
+        self._transport._check(buf, dst, tag, header)
+        return self._transport._send(buf, dst, self._offset | tag, header)
+
+    def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> _Request:
+        self._transport._check(buf, src, tag, header)
+        return self._transport._post_recv(buf, src, self._offset | tag, header, None)
+
+    def wait_any(self, requests: Sequence[_Request], timeout: float) -> None:  # type: ignore[override]
+        wait_first(requests, timeout)
+
+    def dup(self, key: int) -> GrpcDuplicate:
+        return self._transport._duplicate(self._context, key)
+
+    def abort(self, error: BaseException, since_tag: int | None = None) -> None:
+        self._transport._abort_context(self._context, error, since_tag)
+
+    def close(self) -> None:
+        self._transport._close_context(self._context)
+
+    def __repr__(self) -> str:
+        return f"GrpcDuplicate(rank={self.rank}, size={self.size}, context={self._context}, of={self._transport!r})"

@@ -417,7 +417,7 @@ class Communicator:
         included); closing or breaking one leaves the other working.
 
         Raises:
-            NotImplementedError: the backend cannot duplicate its transport (threads and MPI can).
+            NotImplementedError: the backend cannot duplicate its transport (threads, MPI and gRPC can).
         """
         if not self._transport.duplicable:
             raise NotImplementedError(

@@ -177,10 +177,22 @@ TWO_THREADS = Path(__file__).resolve().parent / "failure_scripts" / "two_threads
 
 
 @needs_mpi
-@pytest.mark.parametrize("mode", ["race", "dup"])
+@pytest.mark.parametrize("mode", ["race", "dup", "break"])
 def test_two_threads_over_mpi(mode: str) -> None:
     job = mpirun(2, str(TWO_THREADS), mode)
     assert_ok(job, 2, f"{mode} ok")
+
+
+@needs_grpc
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("mode", ["dup", "break"])
+def test_each_thread_on_its_own_duplicate_over_grpc(mode: str, size: int) -> None:
+    """`dup` over gRPC: each thread's all-reduces on its own duplicate come back right, and
+    breaking one duplicate leaves the other and the original working."""
+    result = launch_job(["-n", str(size), str(TWO_THREADS), mode])
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(size):
+        assert f"[{rank}] rank {rank}: {mode} ok" in result.stdout, result.stdout + result.stderr
 
 
 @needs_grpc

@@ -58,7 +58,16 @@ def test_abort_spares_operations_of_earlier_collectives_on_threads() -> None:
 
 @needs_mpi
 def test_abort_spares_operations_of_earlier_collectives_over_mpi() -> None:
-    assert_ok(mpirun(2, str(SCRIPTS / "abort_spares.py")), 2, "abort spares ok")
+    assert_ok(mpirun(2, str(SCRIPTS / "abort_spares.py"), "mpi"), 2, "abort spares ok")
+
+
+@needs_grpc
+def test_abort_spares_operations_of_earlier_collectives_over_grpc() -> None:
+    """The same in real gRPC processes: the notice carries `since_tag` (MACed with the rest)."""
+    result = launch_job(["-n", "2", str(SCRIPTS / "abort_spares.py"), "grpc"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(2):
+        assert f"[{rank}] rank {rank}: abort spares ok" in result.stdout, result.stdout + result.stderr
 
 
 def test_failed_collective_breaks_the_communicator_from_its_own_tags() -> None:

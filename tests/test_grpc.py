@@ -513,6 +513,111 @@ def test_abort_reaches_every_peer(world: list[Any], error: BaseException, kind: 
 
 
 @requires_grpc
+@pytest.mark.parametrize("world", [SMALL_CHUNKS], indirect=True)
+def test_abort_spares_earlier_tags(world: list[Any]) -> None:
+    """An abort from tag 64 on fails the peer's receives on tags 64 and later, pending or new, and
+    leaves those on earlier tags (a multi-frame message included) to complete."""
+    a, b = world
+    data = np.arange(1000.0)
+    spared = np.zeros_like(data)
+    earlier = b.irecv(spared, 0, 5, H)
+    failed = b.irecv(np.zeros(1), 0, 70, H)
+    a.abort(MismatchError("shapes differ"), since_tag=64)
+    with pytest.raises(MismatchError, match="shapes differ"):
+        failed.wait(5)
+    assert not earlier.test()
+    a.isend(data, 1, 5, H).wait(5)
+    earlier.wait(5)
+    np.testing.assert_array_equal(spared, data)
+    with pytest.raises(MismatchError):
+        b.irecv(np.zeros(1), 0, 64, H).wait(5)
+    with pytest.raises(MismatchError):
+        a.isend(np.zeros(1), 1, 100, H).wait(0)
+    a.abort(RuntimeError("everything"))  # no since_tag: the earlier tags fail too, on both ranks
+    with pytest.raises(MismatchError):
+        b.irecv(np.zeros(1), 0, 5, H).wait(5)
+    with pytest.raises(MismatchError):
+        a.isend(np.zeros(1), 1, 5, H).wait(0)
+
+
+def assert_delivered(sender: Any, receiver: Any, tag: int) -> None:
+    """A message from `sender` (rank 0) on `tag` reaches `receiver` (rank 1) whole."""
+    out = np.zeros(3)
+    receive = receiver.irecv(out, 0, tag, H)
+    sender.isend(np.arange(3.0), 1, tag, H).wait(5)
+    receive.wait(5)
+    np.testing.assert_array_equal(out, np.arange(3.0))
+
+
+@requires_grpc
+def test_abort_notice_with_a_changed_field_is_refused(world: list[Any]) -> None:
+    """The MAC covers the whole notice: one whose `since` was changed on the way is refused."""
+    import grpc
+
+    from collectives.backends import grpc as grpc_backend
+
+    a, b = world
+    notice = {"origin": 0, "kind": "lost", "text": "forged", "context": 0, "since": None}
+    signed = json.dumps({**notice, "since": 64}).encode()
+    counter = "1000"
+    metadata = (
+        *a._identity(),
+        (grpc_backend.COUNTER_METADATA_KEY, counter),
+        (grpc_backend.NOTICE_METADATA_KEY, json.dumps(notice).encode()),
+        (grpc_backend.PROOF_METADATA_KEY, wire.proof(a._keys[1], b"abort", counter.encode(), signed)),
+    )
+    call = a._channels[1].stream_unary(grpc_backend._ABORT_METHOD)
+    with pytest.raises(grpc.RpcError) as refused:
+        call(iter(()), timeout=5, metadata=metadata)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert_delivered(a, b, 1)  # not aborted
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [SMALL_CHUNKS], indirect=True)
+def test_duplicates_have_their_own_messages(world: list[Any]) -> None:
+    """Messages on the same tag of a transport, its duplicate and the duplicate's duplicate never
+    match each other's receives, whatever the order of sends and receives."""
+    a, b = world
+    pairs = [(a, b), (a.dup(0), b.dup(0)), (a.dup(1), b.dup(1))]
+    pairs.append((pairs[1][0].dup(0), pairs[1][1].dup(0)))
+    for index, (sender, _) in enumerate(pairs):
+        sender.isend(np.full(500, float(index)), 1, 7, H)
+    outs = [np.zeros(500) for _ in pairs]
+    receives = [receiver.irecv(out, 0, 7, H) for (_, receiver), out in zip(reversed(pairs), reversed(outs))]
+    for receive in receives:
+        receive.wait(10)
+    for index, out in enumerate(outs):
+        np.testing.assert_array_equal(out, np.full(500, float(index)))
+    with pytest.raises(ValueError, match="tag must be in"):
+        pairs[1][0].isend(np.zeros(1), 1, 1 << 30, H)
+
+
+@requires_grpc
+def test_aborting_or_closing_a_duplicate_leaves_the_others_working(world: list[Any]) -> None:
+    a, b = world
+    broken_a, broken_b = a.dup(0), b.dup(0)
+    other_a, other_b = a.dup(1), b.dup(1)
+    pending = broken_b.irecv(np.zeros(1), 0, 3, H)
+    broken_a.abort(MismatchError("shapes differ"))
+    with pytest.raises(MismatchError, match="shapes differ"):
+        pending.wait(5)
+    with pytest.raises(MismatchError):
+        broken_b.isend(np.zeros(1), 0, 3, H).wait(0)
+    assert_delivered(a, b, 3)
+    assert_delivered(other_a, other_b, 3)
+    waiting = other_b.irecv(np.zeros(1), 0, 4, H)
+    other_b.close()
+    with pytest.raises(PeerLostError, match="closed"):
+        waiting.wait(5)
+    assert_delivered(a, b, 4)
+    still_waiting = broken_b.dup(2).irecv(np.zeros(1), 0, 4, H)
+    b.close()  # closes its duplicates
+    with pytest.raises(PeerLostError, match="closed"):
+        still_waiting.wait(5)
+
+
+@requires_grpc
 def test_close_fails_pending_requests_on_both_sides(world: list[Any]) -> None:
     a, b = world
     on_b = b.irecv(np.zeros(1), 0, 0, H)
