@@ -238,8 +238,9 @@ class Transport(abc.ABC):
     native_dtypes: tuple[np.dtype, ...] = ()
     """The dtypes `native_allreduce` can reduce."""
 
-    def native_allreduce(self, src: Buffer, dst: Buffer, op: str, timeout: float | None = None) -> None:
-        """The engine's own all-reduce of `src` into `dst` (op: sum, max, min or prod).
+    def native_allreduce(self, src: Buffer, dst: Buffer, op: str, timeout: float | None = None, tag: int = 0) -> None:
+        """The engine's own all-reduce of `src` into `dst` (op: sum, max, min or prod), for the
+        collective whose tags start at `tag` (an abort of a later collective spares it).
 
         Only for backends with `has_native_allreduce`; `src` may be `dst`.
 
@@ -247,6 +248,32 @@ class Transport(abc.ABC):
             TimeoutError: it did not complete within `timeout` seconds.
         """
         raise NotImplementedError(f"{type(self).__name__} has no native all-reduce")
+
+    agrees_natively: bool = False
+    """Whether the engine's own collectives agree on a collective's header in one call
+    (`start_agreement`, `gather_headers`, `announce_waiting`, `waiting_ranks`); the header
+    agreement then uses them instead of rounds of point-to-point messages."""
+
+    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> Request:
+        """Start the engine's MAX all-reduce of the int64 array `digest` into `result`, over every
+        rank, for the collective whose tags start at `tag`. Only with `agrees_natively`."""
+        raise NotImplementedError(f"{type(self).__name__} has no native agreement")
+
+    def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
+        """Every rank's `header`, in rank order (after an agreement failed, to say who differs).
+
+        Raises:
+            TimeoutError: not within `timeout` seconds.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no native agreement")
+
+    def announce_waiting(self, tag: int) -> None:
+        """Tell every peer that this rank waits in the collective whose tags start at `tag`."""
+        raise NotImplementedError(f"{type(self).__name__} has no native agreement")
+
+    def waiting_ranks(self, tag: int) -> set[int]:
+        """The peers whose `announce_waiting(tag)` has reached this rank."""
+        raise NotImplementedError(f"{type(self).__name__} has no native agreement")
 
     def empty(self, count: int, dtype: Any) -> Buffer:
         """A new buffer of `count` items that this backend can send and receive."""

@@ -134,10 +134,20 @@ _ENVELOPE_BYTES = _LENGTH_BYTES + _HEADER_LENGTH_BYTES + MAX_HEADER_BYTES + INLI
 _CONTROL_BYTES = 4096
 _SUSPECT = b"S"
 """Flag in an abort notice: the origin believes a peer may be dead (see `_abort_job_at_exit`)."""
+_PRESENT = b"@waiting"
+"""First field of a notice that says the sender waits in a collective (`announce_waiting`); abort
+notices start with an error kind, never with "@"."""
+_WAITING_ENTRIES = 64
+"""Collectives whose waiting peers are remembered (the oldest is forgotten first)."""
 _ALL_TAGS = b"*"
 """An abort notice's first failed tag when it fails every request."""
 _NAME_BYTES = 256
 _PREFIX_CACHE_ENTRIES = 4096
+
+_CLOSE_DRAIN_SECONDS = 0.2
+"""How long `close` lets MPI finish operations that failed requests left posted: an engine
+collective that every rank has called (an agreement a mismatch interrupted) completes within it,
+and one left pending at exit can crash MPI_Finalize."""
 
 _SPIN_POLLS = 64
 """Polls before the clock is first read (a message in flight completes within them)."""
@@ -407,17 +417,31 @@ class _Failed:
 
 
 class _Native:
-    """A pending MPI_Iallreduce, polled like any other request."""
+    """A pending MPI_Iallreduce, polled like any other request; `tag` is the first tag of the
+    collective it belongs to, so that an abort of a later collective spares it."""
 
-    __slots__ = ("_t", "_request", "_done", "_error", "_refs")
+    __slots__ = ("_t", "_request", "_done", "_error", "_refs", "tag")
     kind = "native all-reduce"
 
-    def __init__(self, transport: MPITransport, request: Any, refs: tuple[np.ndarray, np.ndarray]) -> None:
+    def __init__(self, transport: MPITransport, request: Any, refs: tuple[np.ndarray, np.ndarray], tag: int) -> None:
         self._t = transport
         self._request = request
         self._refs: tuple[np.ndarray, np.ndarray] | None = refs  # src and dst, alive while MPI works on them
         self._done = False
         self._error: CollectiveError | None = None
+        self.tag = tag
+
+    def wait(self, timeout: float | None) -> None:
+        if not (self._done or self._progress()):
+            self._t._block(self, timeout)
+        if self._error is not None:
+            raise self._error
+
+    def test(self) -> bool:
+        if self._done or self._progress():
+            return True
+        self._t._check_control()
+        return self._done
 
     def _progress(self) -> bool:
         try:
@@ -491,6 +515,8 @@ class MPITransport(Transport):
         """Requests on tags from here on fail once `_abort` is set (see `abort_reaches`)."""
         self._closed = False
         self._control_sends: list[tuple[Any, bytes]] = []
+        self._waiting: dict[int, set[int]] = {}
+        """Per collective (its first tag): the peers that announced they wait in it."""
         self._control_buf = bytearray(_CONTROL_BYTES)
         self._control_status = MPI.Status()
         self._control = self._comm.Irecv([self._control_buf, MPI.BYTE], MPI.ANY_SOURCE, self._control_tag)
@@ -685,14 +711,25 @@ class MPITransport(Transport):
     # -- failures -------------------------------------------------------------------------------
 
     def _check_control(self) -> None:
-        """Take in an abort notice, if one has arrived: every pending request fails with it."""
-        if self._abort is not None or self._closed:
-            return
-        if not self._control.Test(self._control_status):
-            return
-        origin = self._control_status.Get_source()
-        length = self._control_status.Get_count(self._byte)
-        kind, suspect, since, text = bytes(self._control_buf[:length]).split(b"\0", 3)
+        """Take in the notices that have arrived: a peer's `announce_waiting` is noted; an abort
+        notice fails every pending request it reaches."""
+        while self._abort is None and not self._closed and self._control.Test(self._control_status):
+            origin = self._control_status.Get_source()
+            message = bytes(self._control_buf[: self._control_status.Get_count(self._byte)])
+            if message.startswith(_PRESENT + b"\0"):
+                self._note_waiting(origin, message)
+                self._control = self._comm.Irecv([self._control_buf, self._byte], _MPI.ANY_SOURCE, self._control_tag)
+            else:
+                self._take_abort(origin, message)
+
+    def _note_waiting(self, origin: int, message: bytes) -> None:
+        tag = int(message[len(_PRESENT) + 1 :])
+        if len(self._waiting) >= _WAITING_ENTRIES:
+            self._waiting.pop(next(iter(self._waiting)))
+        self._waiting.setdefault(tag, set()).add(origin)
+
+    def _take_abort(self, origin: int, message: bytes) -> None:
+        kind, suspect, since, text = message.split(b"\0", 3)
         notice = self._abort = (origin, kind.decode(errors="replace"), text.decode(errors="replace"))
         self._abort_since = None if since == _ALL_TAGS else int(since)
         if suspect == _SUSPECT:
@@ -703,7 +740,7 @@ class MPITransport(Transport):
         """Fail every pending request the abort `notice` (origin, kind, text) reaches."""
         since = self._abort_since
         for request in list(self._live):
-            if isinstance(request, _Native) or abort_reaches(request.tag, since):
+            if abort_reaches(request.tag, since):
                 request._fail(error_from_abort(*notice, rank=self.rank))
 
     def abort(self, error: BaseException, since_tag: int | None = None) -> None:
@@ -733,9 +770,11 @@ class MPITransport(Transport):
             self._abort_since = earlier_abort(self._abort_since, since_tag)
         self._fail_pending(notice)
 
-    # -- native all-reduce ----------------------------------------------------------------------
+    # -- native all-reduce and agreement ---------------------------------------------------------
 
-    def native_allreduce(self, src: np.ndarray, dst: np.ndarray, op: str, timeout: float | None = None) -> None:
+    def native_allreduce(
+        self, src: np.ndarray, dst: np.ndarray, op: str, timeout: float | None = None, tag: int = 0
+    ) -> None:
         """MPI_Iallreduce of `src` into `dst`, polled like a message (timeouts and aborts apply).
 
         Raises:
@@ -743,14 +782,71 @@ class MPITransport(Transport):
             ValueError: unknown op, or buffers of different sizes or dtypes.
             TimeoutError: `timeout` seconds passed first.
         """
-        MPI = _MPI
-        check_buffer(src)
-        check_buffer(dst)
+        request = self._start_allreduce(src, dst, op, tag)
+        if not request._progress():
+            self._block(request, timeout)
+        if request._error is not None:
+            raise request._error
+
+    agrees_natively = True
+
+    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> _Native:
+        return self._start_allreduce(digest, result, "max", tag)
+
+    def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
+        """Every rank's header, by MPI_Iallgather of fixed-size records, polled like a message.
+
+        An abort of the collective at `tag` does not fail it: every rank calls it once the
+        agreement has told them all of the disagreement, so it completes; but the first rank to
+        raise aborts at once, and a gather failed by that would stay pending in MPI until exit."""
+        record = bytearray(_HEADER_LENGTH_BYTES + MAX_HEADER_BYTES)
+        mine = header[:MAX_HEADER_BYTES]
+        record[:_HEADER_LENGTH_BYTES] = len(mine).to_bytes(_HEADER_LENGTH_BYTES, "little")
+        record[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + len(mine)] = mine
+        mine_array = np.frombuffer(record, dtype=np.uint8)
+        table = np.empty(self.size * len(record), dtype=np.uint8)
+        if (refusal := self._refusal()) is not None:
+            raise refusal
+        gather = self._comm.Iallgather([mine_array, self._byte], [table, self._byte])
+        request = _Native(self, gather, (mine_array, table), tag - 1)  # before the collective: aborts spare it
+        self._live.add(request)
+        request.wait(timeout)
+        rows = table.reshape(self.size, len(record))
+        return [
+            bytes(
+                row[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + int.from_bytes(row[:_HEADER_LENGTH_BYTES], "little")]
+            )
+            for row in rows
+        ]
+
+    def announce_waiting(self, tag: int) -> None:
+        """Tell every peer that this rank waits in the collective whose tags start at `tag`."""
+        if self._closed or self._abort is not None:
+            return
+        message = b"\0".join((_PRESENT, str(tag).encode()))
+        for peer in range(self.size):
+            if peer != self.rank:
+                try:
+                    self._control_sends.append(
+                        (self._comm.Isend([message, self._byte], peer, self._control_tag), message)
+                    )
+                except _MPI.Exception:
+                    continue
+
+    def waiting_ranks(self, tag: int) -> set[int]:
+        """The peers whose `announce_waiting(tag)` has arrived (this rank not included)."""
+        self._check_control()
+        return set(self._waiting.get(tag, ()))
+
+    def _start_allreduce(self, src: np.ndarray, dst: np.ndarray, op: str, tag: int) -> _Native:
+        """Post MPI_Iallreduce of `src` into `dst` (`src` may be `dst`) for the collective at `tag`."""
         if src.dtype != dst.dtype or src.size != dst.size:
             raise ValueError(
                 f"native_allreduce needs src and dst of one dtype and size, "
                 f"got {src.dtype}[{src.size}] and {dst.dtype}[{dst.size}]"
             )
+        check_buffer(src)
+        check_buffer(dst)
         datatype = self._datatypes.get(src.dtype)
         if datatype is None:
             known = ", ".join(str(d) for d in self._datatypes)
@@ -760,21 +856,20 @@ class MPITransport(Transport):
         mpi_op = self._ops.get(op)
         if mpi_op is None:
             raise ValueError(f"unknown op {op!r} for native all-reduce; expected one of {sorted(self._ops)}")
-        refusal = self._refusal()
-        if refusal is not None:
+        if (refusal := self._refusal()) is not None:
             raise refusal
-        if np.may_share_memory(src, dst):
+        send: Any
+        if src is dst:
+            send = _MPI.IN_PLACE
+        elif np.may_share_memory(src, dst):
             if src.__array_interface__["data"][0] != dst.__array_interface__["data"][0]:
                 dst[...] = src
-            send: Any = MPI.IN_PLACE
+            send = _MPI.IN_PLACE
         else:
             send = [src, datatype]
-        request = _Native(self, self._comm.Iallreduce(send, [dst, datatype], mpi_op), (src, dst))
+        request = _Native(self, self._comm.Iallreduce(send, [dst, datatype], mpi_op), (src, dst), tag)
         self._live.add(request)
-        if not request._progress():
-            self._block(request, timeout)
-        if request._error is not None:
-            raise request._error
+        return request
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -803,12 +898,16 @@ class MPITransport(Transport):
         self._parked.extend(([request], message, None) for request, message in self._control_sends)
         self._control_sends = []
         leftover = []
+        drain_until = time.monotonic() + _CLOSE_DRAIN_SECONDS
         for requests, *buffers in self._parked:
             unfinished = []
             for request in requests:
                 try:
-                    if not request.Test():
-                        unfinished.append(request)
+                    while not request.Test():
+                        if time.monotonic() >= drain_until:
+                            unfinished.append(request)
+                            break
+                        _yield()
                 except _MPI.Exception:
                     pass
             if unfinished:

@@ -104,13 +104,29 @@ def copy_back(result: np.ndarray, target: np.ndarray, source: np.ndarray | None 
 def collective_header(
     collective: str, src: np.ndarray, *, algorithm: str, op: str | None = None, root: int | None = None
 ) -> bytes:
-    """What every message of this collective carries; ranks must agree on all of it."""
-    words = [collective, f"algorithm={algorithm}", f"dtype={src.dtype}", f"shape={src.shape}"]
-    if op is not None:
-        words.append(f"op={op}")
-    if root is not None:
-        words.append(f"root={root}")
-    return " ".join(words).encode()
+    """What every message of this collective carries; ranks must agree on all of it.
+
+    Made once per distinct call and then looked up: formatting a dtype and a shape costs more than
+    the rest of a small collective's planning, and training loops repeat the same few calls.
+    """
+    key = (collective, src.dtype, src.shape, algorithm, op, root)
+    header = _headers.get(key)
+    if header is None:
+        words = [collective, f"algorithm={algorithm}", f"dtype={src.dtype}", f"shape={src.shape}"]
+        if op is not None:
+            words.append(f"op={op}")
+        if root is not None:
+            words.append(f"root={root}")
+        header = " ".join(words).encode()
+        if len(_headers) >= _HEADER_CACHE_ENTRIES:
+            _headers.clear()
+        _headers[key] = header
+    return header
+
+
+_HEADER_CACHE_ENTRIES = 4096
+_headers: dict[tuple[Any, ...], bytes] = {}
+"""Headers already made, by the arguments they were made from (`collective_header`)."""
 
 
 def _as_array(x: Any) -> np.ndarray:

@@ -23,11 +23,13 @@ communicate at the same time each use their own communicator, made with `dup()`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -186,6 +188,10 @@ class Communicator:
         )
 
     # -- collectives ------------------------------------------------------------------------------
+    #
+    # Each collective is planned once (`_*_plan`: arguments checked, result buffers and header
+    # made, the function that runs it on a group) and then either run at once (`_call`, the
+    # blocking form) or queued (`_start`, the async form, returning a `Work`).
 
     def allreduce(
         self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None
@@ -202,13 +208,15 @@ class Communicator:
         Returns:
             The reduced array (`out` if given), of x's shape and dtype.
         """
-        with self._sequencer.blocking_call():
-            return self.allreduce_async(x, op, algorithm, out).wait()
+        return self._call(self._allreduce_plan(x, op, algorithm, out))
 
     def allreduce_async(
         self, x: Any, op: str | ReduceOp = "sum", algorithm: str = "auto", out: np.ndarray | None = None
     ) -> Work:
         """Start `allreduce`; returns a `Work` whose result is the reduced array."""
+        return self._start(self._allreduce_plan(x, op, algorithm, out))
+
+    def _allreduce_plan(self, x: Any, op: str | ReduceOp, algorithm: str, out: np.ndarray | None) -> _Plan:
         src, op = reduction_input(x, op)
         chosen = self._choose_allreduce(algorithm, src.nbytes)
         if chosen == NATIVE and src.dtype not in self._transport.native_dtypes:
@@ -218,34 +226,41 @@ class Communicator:
         result, target = output_buffers(out, src.shape, src.dtype)
         flat = flat_view(src)
         if self.size == 1:
-            return completed_work(copy_back(result, target, flat))
-        nodes = self.topology.nodes
+            return _Local(copy_back(result, target, flat))
+        header = collective_header("allreduce", src, algorithm=chosen, op=op.value)
+        if chosen == NATIVE:
+            return header, functools.partial(self._native_allreduce, flat, target, result, op)
+        nodes, segment_bytes = self.topology.nodes, self.segment_bytes
 
         def run(group: Group) -> np.ndarray:
-            if chosen == NATIVE:
-                native_op = "sum" if op is ReduceOp.MEAN else op.value
-                try:
-                    self._transport.native_allreduce(
-                        flat, target, native_op, timeout=max(group.deadline - time.monotonic(), 0.0)
-                    )
-                except TimeoutError:
-                    raise CollectiveTimeoutError(
-                        f"rank {self.rank}: native all-reduce did not complete within {self.timeout:g} s "
-                        f"({group.header.decode(errors='replace')}); {group.who_is_missing(None)}",
-                        rank=self.rank,
-                        peer=-1,
-                        tag=group.tags.start,
-                        seconds=self.timeout,
-                    ) from None
-                finalize(op, target, self.size)
-            else:
-                drive(
-                    group,
-                    registry.allreduce_steps(chosen, group, nodes, flat, target, op, segment_bytes=self.segment_bytes),
-                )
+            steps = registry.allreduce_steps(chosen, group, nodes, flat, target, op, segment_bytes=segment_bytes)
+            drive(group, steps)
             return copy_back(result, target)
 
-        return self._sequencer.submit(collective_header("allreduce", src, algorithm=chosen, op=op.value), run)
+        return header, run
+
+    def _native_allreduce(
+        self, flat: np.ndarray, target: np.ndarray, result: np.ndarray, op: ReduceOp, group: Group
+    ) -> np.ndarray:
+        """The backend's own all-reduce, within the collective's deadline, once every rank is known
+        to have called it alike: an engine given buffers of different sizes on different ranks
+        may fail in any way, or write past them."""
+        group.finish_agreement()
+        native_op = "sum" if op is ReduceOp.MEAN else op.value
+        try:
+            remaining = max(group.deadline - time.monotonic(), 0.0)
+            self._transport.native_allreduce(flat, target, native_op, timeout=remaining, tag=group.tags.start)
+        except TimeoutError:
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: native all-reduce did not complete within {self.timeout:g} s "
+                f"({group.header.decode(errors='replace')}); {group.who_is_missing(None)}",
+                rank=self.rank,
+                peer=-1,
+                tag=group.tags.start,
+                seconds=self.timeout,
+            ) from None
+        finalize(op, target, self.size)
+        return copy_back(result, target)
 
     def reduce_scatter(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> np.ndarray:
         """Reduce `x` over all ranks and keep this rank's block of rows (ring algorithm).
@@ -256,11 +271,13 @@ class Communicator:
         Returns:
             This rank's rows of the reduction, shape (rows_of_this_rank, *x.shape[1:]).
         """
-        with self._sequencer.blocking_call():
-            return self.reduce_scatter_async(x, op, out).wait()
+        return self._call(self._reduce_scatter_plan(x, op, out))
 
     def reduce_scatter_async(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> Work:
         """Start `reduce_scatter`; returns a `Work` whose result is this rank's block."""
+        return self._start(self._reduce_scatter_plan(x, op, out))
+
+    def _reduce_scatter_plan(self, x: Any, op: str | ReduceOp, out: np.ndarray | None) -> _Plan:
         src, op = reduction_input(x, op)
         if src.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension to split")
@@ -272,7 +289,7 @@ class Communicator:
         flat = flat_view(src)
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
-            return completed_work(copy_back(result, target, flat[mine]))
+            return _Local(copy_back(result, target, flat[mine]))
 
         def run(group: Group) -> np.ndarray:
             work_space = self._reusable_work_space(flat)
@@ -282,7 +299,7 @@ class Communicator:
             finalize(op, work_space[mine], self.size)
             return copy_back(result, target, work_space[mine])
 
-        return self._sequencer.submit(collective_header("reduce_scatter", src, algorithm="ring", op=op.value), run)
+        return collective_header("reduce_scatter", src, algorithm="ring", op=op.value), run
 
     def allgather(self, x: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Concatenate every rank's `x` (same shape on all ranks) along the first axis, rank order.
@@ -290,11 +307,13 @@ class Communicator:
         Returns:
             Shape (size * x.shape[0], *x.shape[1:]); a 0-d `x` gives shape (size,).
         """
-        with self._sequencer.blocking_call():
-            return self.allgather_async(x, out).wait()
+        return self._call(self._allgather_plan(x, out))
 
     def allgather_async(self, x: Any, out: np.ndarray | None = None) -> Work:
         """Start `allgather`; returns a `Work` whose result is the concatenation."""
+        return self._start(self._allgather_plan(x, out))
+
+    def _allgather_plan(self, x: Any, out: np.ndarray | None) -> _Plan:
         src = transfer_input(x)
         rows = src.shape[0] if src.ndim else 1
         shape = (self.size * rows, *src.shape[1:])
@@ -303,14 +322,14 @@ class Communicator:
         flat = flat_view(src)
         own = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
-            return completed_work(copy_back(result, target, flat))
+            return _Local(copy_back(result, target, flat))
 
         def run(group: Group) -> np.ndarray:
             target[own] = flat
             drive(group, ring_allgather_steps(group, target, bounds, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
 
-        return self._sequencer.submit(collective_header("allgather", src, algorithm="ring"), run)
+        return collective_header("allgather", src, algorithm="ring"), run
 
     def broadcast(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Return rank `root`'s `x` on every rank (pipelined binary tree).
@@ -318,17 +337,19 @@ class Communicator:
         Every rank passes an array of the same shape and dtype; only the root's values are used.
         `out=x` broadcasts in place, like MPI_Bcast.
         """
-        with self._sequencer.blocking_call():
-            return self.broadcast_async(x, root, out).wait()
+        return self._call(self._broadcast_plan(x, root, out))
 
     def broadcast_async(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> Work:
         """Start `broadcast`; returns a `Work` whose result is the root's array."""
+        return self._start(self._broadcast_plan(x, root, out))
+
+    def _broadcast_plan(self, x: Any, root: int, out: np.ndarray | None) -> _Plan:
         root = checked_root(root, self.size)
         src = transfer_input(x)
         result, target = output_buffers(out, src.shape, src.dtype)
         flat = flat_view(src)
         if self.size == 1:
-            return completed_work(copy_back(result, target, flat))
+            return _Local(copy_back(result, target, flat))
 
         def run(group: Group) -> np.ndarray:
             if group.rank == root and not np.may_share_memory(target, flat):
@@ -336,18 +357,20 @@ class Communicator:
             drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
 
-        return self._sequencer.submit(collective_header("broadcast", src, algorithm="tree", root=root), run)
+        return collective_header("broadcast", src, algorithm="tree", root=root), run
 
     def barrier(self) -> None:
         """Return only after every rank has called `barrier`."""
-        with self._sequencer.blocking_call():
-            self.barrier_async().wait()
+        self._call(self._barrier_plan())
 
     def barrier_async(self) -> Work:
         """Start `barrier`; returns a `Work` whose result is None."""
+        return self._start(self._barrier_plan())
+
+    def _barrier_plan(self) -> _Plan:
         if self.size == 1:
-            return completed_work(None)
-        return self._sequencer.submit(b"barrier", lambda group: drive(group, dissemination_barrier_steps(group)))
+            return _Local(None)
+        return b"barrier", _run_barrier
 
     def alltoall(self, x: Any, send_counts: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Send rows of `x` to every rank and receive theirs (pairwise exchange).
@@ -366,11 +389,13 @@ class Communicator:
             (the received rows concatenated in rank order, the row count received from each rank
             as an int64 array of length `size`).
         """
-        with self._sequencer.blocking_call():
-            return self.alltoall_async(x, send_counts).wait()
+        return self._call(self._alltoall_plan(x, send_counts))
 
     def alltoall_async(self, x: Any, send_counts: Any = None) -> Work:
         """Start `alltoall`; returns a `Work` whose result is (received rows, received counts)."""
+        return self._start(self._alltoall_plan(x, send_counts))
+
+    def _alltoall_plan(self, x: Any, send_counts: Any) -> _Plan:
         src = transfer_input(x)
         if src.ndim == 0:
             raise ValueError(f"rank {self.rank}: alltoall needs an array with at least one dimension to split")
@@ -379,7 +404,7 @@ class Communicator:
         row_items = math.prod(row_shape)
         flat = flat_view(src)
         if self.size == 1:
-            return completed_work((flat.copy().reshape(src.shape), counts))
+            return _Local((flat.copy().reshape(src.shape), counts))
         size, rank = self.size, self.rank
 
         def run(group: Group) -> tuple[np.ndarray, np.ndarray]:
@@ -398,7 +423,20 @@ class Communicator:
             )
             return result, received
 
-        header = f"alltoall algorithm=pairwise dtype={src.dtype} row_shape={row_shape}".encode()
+        return f"alltoall algorithm=pairwise dtype={src.dtype} row_shape={row_shape}".encode(), run
+
+    def _call(self, plan: _Plan) -> Any:
+        """Run a planned collective now and return its result (the blocking form)."""
+        if isinstance(plan, _Local):
+            return plan.result
+        header, run = plan
+        return self._sequencer.call(header, run)
+
+    def _start(self, plan: _Plan) -> Work:
+        """Queue a planned collective; its `Work` gets the result (the async form)."""
+        if isinstance(plan, _Local):
+            return completed_work(plan.result)
+        header, run = plan
         return self._sequencer.submit(header, run)
 
     # -- duplication ------------------------------------------------------------------------------
@@ -430,8 +468,7 @@ class Communicator:
             group.finish_agreement()  # every rank has reached this dup before any transport is made
             return self._transport.dup(key)
 
-        with self._sequencer.blocking_call():
-            transport = self._sequencer.submit(b"dup", run).wait()
+        transport = self._sequencer.call(b"dup", run)
         twin = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes)
         twin._selector = self._selector
         twin._autotune_pending = self._autotune_pending
@@ -453,9 +490,7 @@ class Communicator:
         if self.size == 1:
             return self._selector.costs
         topology = self.topology
-        with self._sequencer.blocking_call():
-            work = self._sequencer.submit(b"probe links", lambda group: probe_links(group, topology))
-        costs = work.wait()
+        costs = self._sequencer.call(b"probe links", lambda group: probe_links(group, topology))
         self._selector = Selector(self.topology, costs, self.segment_bytes)
         return costs
 
@@ -523,6 +558,24 @@ class Communicator:
         if self._work_space.nbytes < like.nbytes:
             self._work_space = np.empty(like.nbytes, dtype=np.uint8)
         return self._work_space[: like.nbytes].view(like.dtype)
+
+
+class _Local:
+    """The plan of a collective with nothing to exchange (a world of one rank): its result."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+
+_Plan = tuple[bytes, Callable[[Group], Any]] | _Local
+"""A collective ready to run: the header its messages carry and the function that runs it on its
+group; or, with nothing to exchange, its result."""
+
+
+def _run_barrier(group: Group) -> None:
+    drive(group, dissemination_barrier_steps(group))
 
 
 def alltoall_counts(send_counts: Any, rows: int, rank: int, size: int) -> np.ndarray:

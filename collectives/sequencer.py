@@ -7,10 +7,10 @@ of its own: its own tag block (the messages of consecutive collectives never mix
 every message carries (with a `HeaderAgreement`, so ranks that called differently fail with
 `MismatchError` instead of returning garbage or hanging) and a deadline for every wait.
 
-Calls run on one communication thread, started by the first call queued, so async calls overlap
-the caller's work. A blocking call that finds nothing queued or running skips the thread: it runs
-on the caller's own thread when the caller waits (the fast path), because two thread hand-offs
-dominate the latency of a small collective.
+Async calls (`submit`) run on one communication thread, started by the first call queued, so they
+overlap the caller's work. A blocking call (`call`) that finds nothing queued or running skips the
+thread and its future: it runs on the caller's own thread and returns the result (the fast path),
+because two thread hand-offs and a `Future` cost more than the messages of a small collective.
 
 After any failure the sequencer is broken: it aborts the transport, so that every peer fails fast
 instead of waiting for this rank, and refuses every later call at once with a message naming the
@@ -32,7 +32,6 @@ The sequencer knows nothing of algorithms: a collective is a header and a functi
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import itertools
 import logging
 import queue
@@ -70,8 +69,6 @@ class Work(concurrent.futures.Future):
 
     def __init__(self) -> None:
         super().__init__()
-        self._run_here: Callable[[], None] | None = None
-        """Set by `Sequencer.submit` on the fast path: the collective, left for `wait` to run."""
         self.started_at: float | None = None
         self.finished_at: float | None = None
 
@@ -81,9 +78,6 @@ class Work(concurrent.futures.Future):
         Raises:
             TimeoutError: `timeout` seconds passed first (the collective keeps running).
         """
-        if self._run_here is not None:  # a blocking call that found the communicator idle
-            run, self._run_here = self._run_here, None
-            run()
         return self.result(timeout)
 
     def cancel(self) -> bool:
@@ -99,35 +93,13 @@ def completed_work(result: Any) -> Work:
     return work
 
 
-class _BlockingCall(threading.local):
-    """Whether this thread is inside a blocking call; entering it as a context manager says so,
-    and leaving it lets other threads call the sequencer again.
-
-    A class rather than `contextlib.contextmanager`: it is entered on every blocking collective,
-    and a generator-based context manager costs several times as much.
-    """
-
-    active = False
-
-    def __init__(self, sequencer: Sequencer) -> None:
-        self.sequencer = sequencer
-
-    def __enter__(self) -> None:
-        self.active = True
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.active = False
-        sequencer = self.sequencer
-        if sequencer._caller == threading.get_ident():
-            sequencer._caller = None
-
-
 @dataclass
 class _Task:
     seq: int
     header: bytes
     run: Callable[[Group], Any]
-    work: Work
+    work: Work | None
+    """Where an async call's result goes; None for a blocking call run on its caller's thread."""
 
 
 class Sequencer:
@@ -151,7 +123,6 @@ class Sequencer:
         collective (`_concurrent_use`); the collective running then does it as it finishes."""
         self._submit_lock = threading.Lock()
         self._turn = threading.Condition(self._submit_lock)
-        self._blocking_call = _BlockingCall(self)
         self._caller: int | None = None
         """The thread (`threading.get_ident()`) inside a blocking call, or None."""
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
@@ -179,17 +150,9 @@ class Sequencer:
             self._break(error, _SETUP_SEQUENCE)
             raise
 
-    def blocking_call(self) -> _BlockingCall:
-        """A context manager around a blocking call (submitting and waiting): the collective
-        submitted inside is one whose caller waits for it at once, and no other thread may call
-        until it is left."""
-        return self._blocking_call
-
     def submit(self, header: bytes, run: Callable[[Group], Any]) -> Work:
-        """Give `run` the next place in the call order; the returned `Work` gets its result.
-
-        The collective is queued for the communication thread; or, for a blocking call that finds
-        nothing queued or running, left to run on the caller's thread when it waits.
+        """Give `run` the next place in the call order and queue it for the communication thread;
+        the returned `Work` gets its result.
 
         Raises:
             CommunicatorBrokenError: an earlier collective failed, or `close()` was called.
@@ -198,22 +161,47 @@ class Sequencer:
         """
         work = Work()
         with self._submit_lock:
-            if (refusal := self._refusal()) is not None:
-                raise refusal
-            caller = self._caller
-            if caller is not None and caller != threading.get_ident():
-                raise self._concurrent_use(caller, header)
-            task = _Task(next(self._sequence), header, run, work)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("rank %d: #%d %s", self._transport.rank, task.seq, header.decode(errors="replace"))
-            self._last_submitted = task.seq
-            if self._blocking_call.active:
-                self._caller = threading.get_ident()
-                if task.seq == self._next_to_run:
-                    work._run_here = functools.partial(self._execute, task)
-                    return work
+            task = self._numbered(header, run, work)
             self._enqueue(task)
         return work
+
+    def call(self, header: bytes, run: Callable[[Group], T]) -> T:
+        """Give `run` the next place in the call order and return its result once it has run: on
+        this thread when nothing is queued or running, else on the communication thread after the
+        calls ahead of it. No other thread may call meanwhile.
+
+        Raises:
+            CommunicatorBrokenError: an earlier collective failed, or `close()` was called.
+            ConcurrentUseError: another thread is inside a blocking call (the communicator is then
+                broken on every rank).
+            Whatever the collective raised (it breaks the communicator).
+        """
+        caller = threading.get_ident()
+        with self._submit_lock:
+            task = self._numbered(header, run, None)
+            self._caller = caller
+            if task.seq != self._next_to_run:
+                task.work = Work()
+                self._enqueue(task)
+        try:
+            if task.work is None:
+                return self._run(task)
+            return task.work.result()
+        finally:
+            self._caller = None
+
+    def _numbered(self, header: bytes, run: Callable[[Group], Any], work: Work | None) -> _Task:
+        """The next collective in the call order (lock held), unless no call may be made now."""
+        if (refusal := self._refusal()) is not None:
+            raise refusal
+        caller = self._caller
+        if caller is not None and caller != threading.get_ident():
+            raise self._concurrent_use(caller, header)
+        task = _Task(next(self._sequence), header, run, work)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d: #%d %s", self._transport.rank, task.seq, header.decode(errors="replace"))
+        self._last_submitted = task.seq
+        return task
 
     def close(self) -> None:
         """Finish queued collectives, stop the communication thread and close the transport."""
@@ -293,8 +281,23 @@ class Sequencer:
             self._execute(task)
 
     def _execute(self, task: _Task) -> None:
-        task.work.set_running_or_notify_cancel()
-        task.work.started_at = time.perf_counter()
+        """Run a queued collective and hand its result or error to its `Work`."""
+        work = task.work
+        assert work is not None, "only calls with a Work are queued"
+        work.set_running_or_notify_cancel()
+        work.started_at = time.perf_counter()
+        try:
+            result = self._run(task)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller through Work
+            work.finished_at = time.perf_counter()
+            work.set_exception(error)
+        else:
+            work.finished_at = time.perf_counter()
+            work.set_result(result)
+
+    def _run(self, task: _Task) -> Any:
+        """Run the collective whose turn it is and return its result; a failure breaks the
+        sequencer and is raised. Either way the next collective may start afterwards."""
         try:
             if self._broken is not None:  # queued before the failure: fail fast, do not talk
                 raise self._broken_refusal(self._broken)
@@ -303,25 +306,23 @@ class Sequencer:
             group.finish_agreement()
             if self._broken is not None:  # broken by another thread meanwhile: the result may be another's
                 raise self._broken_refusal(self._broken)
-        except BaseException as error:  # noqa: BLE001 - handed to the caller through Work
+        except BaseException as error:
             if not isinstance(error, CommunicatorBrokenError):
                 self._break(error, task.seq)
-            self._finish(task)
-            task.work.set_exception(error)
-        else:
-            self._finish(task)
-            task.work.set_result(result)
+            raise
+        finally:
+            self._finish(task.seq)
+        return result
 
-    def _finish(self, task: _Task) -> None:
-        """Let the next collective start; done before the result is published, so that a caller
+    def _finish(self, seq: int) -> None:
+        """Let the next collective start; done before the result is handed over, so that a caller
         woken by this result can run its next collective at once."""
-        task.work.finished_at = time.perf_counter()
         with self._turn:
-            self._next_to_run = task.seq + 1
+            self._next_to_run = seq + 1
             self._turn.notify_all()
             abort_owed, self._abort_owed = self._abort_owed, False
         if abort_owed and self._broken is not None:  # broken by another thread while this one ran
-            self._break(self._broken, task.seq)  # later collectives, refused, never touch the transport
+            self._break(self._broken, seq)  # later collectives, refused, never touch the transport
 
     def _break(self, error: BaseException, seq: int) -> None:
         """Remember the failure and make every peer fail fast instead of waiting for us, in

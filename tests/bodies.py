@@ -9,6 +9,7 @@ over threads; the MPI and gRPC tests run them in real processes through `run_bod
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -155,7 +156,40 @@ def shape_mismatch(comm: Communicator) -> None:
     raise AssertionError(f"rank {comm.rank}: no MismatchError for shapes (3, 4) vs (4, 3)")
 
 
+def algorithm_mismatch(comm: Communicator) -> None:
+    """The last rank asks for the ring, the others for the engine's own all-reduce (or the tree
+    where there is none): MismatchError naming both, everywhere, not a hang."""
+    others = "native" if "native" in comm.algorithms else "tree"
+    algorithm = "ring" if comm.rank == comm.size - 1 else others
+    try:
+        comm.allreduce(np.ones(1000, np.float32), algorithm=algorithm)
+    except collectives.MismatchError as error:
+        message = str(error)
+        assert "algorithm=ring" in message and f"algorithm={others}" in message, f"one side only: {message}"
+        return
+    raise AssertionError(f"rank {comm.rank}: no MismatchError for {algorithm} against the others")
+
+
+def missing_rank_timeout(comm: Communicator) -> None:
+    """The last rank comes 3 s late to an all-reduce with a 1.5 s timeout: every other rank's
+    error names it as the rank that did not reach the collective (breaks the communicator)."""
+    comm.barrier()
+    comm.timeout = 1.5
+    last = comm.size - 1
+    if comm.rank == last:
+        time.sleep(3.0)
+    try:
+        comm.allreduce(np.ones(10, np.float32))
+    except collectives.CollectiveError as error:
+        if comm.rank != last:
+            assert f"rank {last} did not reach" in str(error), f"rank {comm.rank}: {error}"
+        return
+    raise AssertionError(f"rank {comm.rank}: the all-reduce completed although rank {last} came late")
+
+
 BODIES: dict[str, Callable[[Communicator], None]] = {
+    "algorithm_mismatch": algorithm_mismatch,
+    "missing_rank_timeout": missing_rank_timeout,
     "allreduce_every_algorithm": allreduce_every_algorithm,
     "other_collectives": other_collectives,
     "parameter_server_variants": parameter_server_variants,

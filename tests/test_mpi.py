@@ -181,13 +181,23 @@ def test_mpi_specific_collectives(n: int, ranks_per_node: str | None, nodes: int
 
 
 @needs_mpi
+@pytest.mark.parametrize("body", ["shape_mismatch", "algorithm_mismatch"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_shape_mismatch_fails_every_rank_quickly(n: int) -> None:
-    """One rank passes another shape: every rank raises MismatchError naming both shapes, long
-    before the collective's 30 s timeout."""
-    job = mpirun(n, str(TESTS / "run_body.py"), "shape_mismatch")
-    assert_ok(job, n, "shape_mismatch ok")
+def test_mismatch_fails_every_rank_quickly(n: int, body: str) -> None:
+    """One rank passes another shape, or asks for another algorithm (the ring against MPI's own
+    all-reduce): every rank raises MismatchError naming both, long before the 30 s timeout."""
+    job = mpirun(n, str(TESTS / "run_body.py"), body)
+    assert_ok(job, n, f"{body} ok")
     assert job.seconds < 20, f"took {job.seconds:.1f} s: the mismatch was not detected promptly"
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_timeout_names_the_rank_that_came_late(n: int) -> None:
+    """MPI's one-call header agreement says nothing about who arrived: the ranks that wait
+    announce it before giving up, so that the timeout still names the late rank."""
+    job = mpirun(n, str(TESTS / "run_body.py"), "missing_rank_timeout")
+    assert_ok(job, n, "missing_rank_timeout ok")
 
 
 def _kill_reports(directory: Path) -> dict[int, str]:

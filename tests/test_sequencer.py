@@ -75,7 +75,7 @@ def exchange(group: Group, value: int) -> int:
 
 
 def test_calls_from_several_threads_run_one_at_a_time_in_submission_order() -> None:
-    """Four threads per rank submit collectives at once, async and blocking mixed. Each rank runs
+    """Four threads per rank submit collectives at once, some waiting for each. Each rank runs
     them one at a time, in the order their numbers (tag blocks) were handed out, every collective
     on a tag block of its own; and the k-th collective of each rank meets the k-th of the other."""
     threads_per_rank, calls_per_thread = 4, 25
@@ -94,14 +94,11 @@ def test_calls_from_several_threads_run_one_at_a_time_in_submission_order() -> N
             finally:
                 running.release()
 
-        def submitter(blocking: bool) -> None:
+        def submitter(wait_each: bool) -> None:
             for _ in range(calls_per_thread):
-                if blocking:
-                    with sequencer.blocking_call():
-                        work = sequencer.submit(b"same", run)
+                work = sequencer.submit(b"same", run)
+                if wait_each:
                     work.wait(TIMEOUT)
-                else:
-                    work = sequencer.submit(b"same", run)
                 with works_lock:
                     works.append(work)
 
@@ -122,12 +119,10 @@ def test_calls_from_several_threads_run_one_at_a_time_in_submission_order() -> N
 def test_blocking_call_on_an_idle_sequencer_runs_on_the_callers_thread(lone: Sequencer) -> None:
     """The fast path: a blocking call with nothing queued runs when the caller waits, on the
     caller's thread; an async call runs on the communication thread."""
-    with lone.blocking_call():
-        blocking = lone.submit(b"blocking", lambda group: threading.current_thread())
-    assert blocking.wait(TIMEOUT) is threading.current_thread()
-    assert blocking.done() and blocking.started_at is not None and blocking.finished_at is not None
+    assert lone.call(b"blocking", lambda group: threading.current_thread()) is threading.current_thread()
     queued = lone.submit(b"async", lambda group: threading.current_thread())
     assert queued.wait(TIMEOUT) is not threading.current_thread()
+    assert queued.done() and queued.started_at is not None and queued.finished_at is not None
 
 
 def test_blocking_call_behind_a_queued_one_waits_its_turn(lone: Sequencer) -> None:
@@ -145,11 +140,8 @@ def test_blocking_call_behind_a_queued_one_waits_its_turn(lone: Sequencer) -> No
         return threading.current_thread()
 
     pending = lone.submit(b"first", first)
-    with lone.blocking_call():
-        behind = lone.submit(b"second", second)
-    assert not behind.done()
-    release.set()
-    assert behind.wait(TIMEOUT) is not threading.current_thread()
+    threading.Timer(0.2, release.set).start()
+    assert lone.call(b"second", second) is not threading.current_thread()
     assert pending.done() and order == ["first", "second"]
 
 

@@ -9,14 +9,16 @@ group's range, and never see global ranks or clocks.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import numpy as np
 
 from collectives.backends.base import Request, Transport
 from collectives.backends.errors import CollectiveError, CollectiveTimeoutError, MismatchError
+from collectives.backends.matching import mismatch_error
 from collectives.core.tags import TagRange
 
 _CHECK_INTERVAL = 0.05
@@ -27,6 +29,9 @@ _DEFER_FRACTION, _DEFER_MAX_SECONDS = 0.25, 2.0
 of the timeout, at most so many seconds) for the abort of one that knows (`_deadline_passed`)."""
 
 _NO_DATA = np.empty(0, dtype=np.uint8)
+
+_NO_PEER = -1
+"""The peer of a `Pending` that involves every rank (an engine collective), not one."""
 
 
 class Pending:
@@ -78,7 +83,7 @@ class Group:
         header: bytes,
         deadline: float,
         timeout: float,
-        agreement: HeaderAgreement | None = None,
+        agreement: Agreement | None = None,
     ) -> None:
         self.transport = transport
         self.members = members
@@ -101,7 +106,7 @@ class Group:
     def size(self) -> int:
         return len(self.members)
 
-    def _derive(self, members: tuple[int, ...], tags: TagRange, agreement: HeaderAgreement | None) -> Group:
+    def _derive(self, members: tuple[int, ...], tags: TagRange, agreement: Agreement | None) -> Group:
         return Group(self.transport, members, tags, self.header, self.deadline, self.timeout, agreement)
 
     def subgroup(self, indices: Sequence[int], tags: TagRange) -> Group:
@@ -116,13 +121,19 @@ class Group:
         return self._derive(members, tags, self.agreement)
 
     def with_agreement(self) -> Group:
-        """This group, with a `HeaderAgreement` among its members under way on the first of its
-        tags, and the rest of its tags left to the collective's algorithm."""
+        """This group (the whole world), with its header agreement under way on the first of its
+        tags, and the rest of its tags left to the collective's algorithm: an `EngineAgreement`
+        where the transport `agrees_natively`, else a `HeaderAgreement`."""
         if self.size == 1:
             return self
-        tags = self.tags.allocator()
-        agreement = HeaderAgreement(self.without_agreement(), tags.tag("header agreement"))
-        return self._derive(self.members, tags.rest(), agreement)
+        tags = self.tags
+        plain = self if self.agreement is None else self.without_agreement()
+        agreement: Agreement
+        if self.transport.agrees_natively:
+            agreement = EngineAgreement(plain, tags.start)
+        else:
+            agreement = HeaderAgreement(plain, tags.start)
+        return self._derive(self.members, TagRange(tags.owner, tags.start + 1, tags.stop), agreement)
 
     def without_agreement(self) -> Group:
         """This group, waiting plainly (used by the agreement itself)."""
@@ -131,7 +142,7 @@ class Group:
     def finish_agreement(self) -> None:
         """Block until every member is known to have called this collective identically."""
         if self.agreement is not None:
-            self.agreement.finish()
+            self.agreement.finish(self)
 
     def isend(self, buf: np.ndarray, peer: int, tag: int) -> Pending:
         """Start sending `buf` to group member `peer` on `tag`, one of this group's tags."""
@@ -225,13 +236,15 @@ class Group:
         can, and its abort, which names it, then reaches every rank before they time out too."""
         agreement = self.agreement
         if deadline == self.deadline and agreement is not None and not agreement.knows_who_is_missing():
+            agreement.announce_waiting()
             return deadline + min(self.timeout * _DEFER_FRACTION, _DEFER_MAX_SECONDS)
         self._raise_timeout(pending)
 
     def _raise_timeout(self, pending: Pending) -> NoReturn:
         me = self.transport.rank
+        what = pending.kind if pending.peer == _NO_PEER else f"{pending.kind} rank {pending.peer}"
         raise CollectiveTimeoutError(
-            f"rank {me}: {pending.kind} rank {pending.peer} did not complete within "
+            f"rank {me}: {what} did not complete within "
             f"{self.timeout:g} s (tag {pending.tag}, {self.header.decode(errors='replace')}); "
             f"{self.who_is_missing(pending.peer)}",
             rank=me,
@@ -244,7 +257,7 @@ class Group:
         """For a timeout's message: which ranks did not reach this collective, as far as this rank
         knows (from the header agreement), rather than only the neighbour `peer` it waited for."""
         if self.agreement is None:
-            who = "a rank" if peer is None else f"rank {peer}"
+            who = "a rank" if peer is None or peer == _NO_PEER else f"rank {peer}"
             return f"{who} never arrived at this collective, or is stuck or dead"
         return self.agreement.who_is_missing(peer)
 
@@ -252,6 +265,28 @@ class Group:
         """Wait for every operation, in order, until the collective's deadline."""
         for pending in pendings:
             self.wait(pending)
+
+
+class Agreement(Protocol):
+    """Establishes, while the collective runs, that every rank called it with the same header."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def progress(self) -> None:
+        """Advance without blocking; raise `MismatchError` once a disagreement is known."""
+
+    def finish(self, group: Group) -> None:
+        """Block until agreement, waiting in the collective's `group` (its deadline applies)."""
+
+    def knows_who_is_missing(self) -> bool:
+        """Whether `who_is_missing` can name the rank that did not arrive."""
+
+    def announce_waiting(self) -> None:
+        """Let the peers know that this rank waits in this collective (before it gives up)."""
+
+    def who_is_missing(self, peer: int | None) -> str:
+        """For a timeout's message: which ranks did not reach this collective."""
 
 
 class HeaderAgreement:
@@ -350,9 +385,124 @@ class HeaderAgreement:
             f"(ranks {', '.join(map(str, arrived))} did){waiting}"
         )
 
-    def finish(self) -> None:
-        """Run the remaining rounds to the end, within the collective's deadline."""
+    def announce_waiting(self) -> None:
+        """Nothing to announce: the rounds themselves tell who arrived."""
+
+    def finish(self, group: Group) -> None:
+        """Run the remaining rounds to the end, within the collective's deadline (each round
+        waits in this agreement's own group, which blames the predecessor it waits for)."""
         while self._receive is not None:
             self._group.wait(self._receive)
             self.progress()
         self._group.waitall(self._sent)
+
+
+class EngineAgreement:
+    """Establishes that every rank called this collective with the same header, in one call of the
+    engine's own all-reduce (MPI_Iallreduce) instead of rounds of point-to-point messages.
+
+    Each rank contributes (h, -h), h a 63-bit digest of its header, to a MAX all-reduce: the result
+    is (max h, -min h), which equals its own (h, -h) on every rank exactly when all digests are
+    equal. One engine call costs a fraction of the Python work of even one round of messages, which
+    is most of what a small collective costs. Every rank gets the same result, so on a
+    disagreement all of them know it at once: they then gather every rank's header (a second
+    engine call) and raise `MismatchError` quoting their own header and the first different one.
+    The all-reduce carries no arrival information, so a rank about to time out announces that it
+    waits (`announce_waiting`), and a timeout names the ranks whose announcement never came.
+    """
+
+    def __init__(self, group: Group, tag: int) -> None:
+        """Start the all-reduce among `group` (the whole world), for the collective at `tag`."""
+        self._group = group
+        self._tag = tag
+        self._mine = _digests(group.header)
+        self._result = np.empty(2, dtype=np.int64)
+        request = group.transport.start_agreement(self._mine, self._result, tag)
+        self._pending: Pending | None = Pending(request, "the header agreement", _NO_PEER, tag)
+        self._announced = False
+
+    @property
+    def done(self) -> bool:
+        return self._pending is None
+
+    def progress(self) -> None:
+        """Check the all-reduce's result if it has completed, without blocking.
+
+        Raises:
+            MismatchError: some rank called this collective differently.
+        """
+        pending = self._pending
+        if pending is not None and pending.request.test():
+            pending.request.wait(0)  # raises the request's error
+            self._conclude()
+
+    def finish(self, group: Group) -> None:
+        """Wait in `group` for the all-reduce and check its result: past the deadline, this rank
+        announces that it waits and names the ranks that did not (`Group.wait`)."""
+        pending = self._pending
+        if pending is not None:
+            group.wait(pending)
+            if self._pending is not None:
+                self._conclude()
+
+    def _conclude(self) -> None:
+        self._pending = None
+        mine, result = self._mine, self._result
+        if result[0] != mine[0] or result[1] != mine[1]:
+            self._raise_mismatch()
+
+    def _raise_mismatch(self) -> NoReturn:
+        group = self._group
+        me, header = group.transport.rank, group.header
+        headers = group.transport.gather_headers(header, self._tag, max(group.deadline - time.monotonic(), 0.0))
+        other = next((rank for rank, theirs in enumerate(headers) if theirs != header), None)
+        if other is None:  # equal headers, different digests: cannot be, unless the ranks run different versions
+            raise MismatchError(f"rank {me}: ranks disagree on {header.decode(errors='replace')} (digests differ)")
+        raise mismatch_error(me, other, self._tag, header, 0, headers[other], 0)
+
+    def knows_who_is_missing(self) -> bool:
+        """Only once every rank has arrived: before, it takes the others' announcements."""
+        return self.done
+
+    def announce_waiting(self) -> None:
+        if not self._announced:
+            self._announced = True
+            self._group.transport.announce_waiting(self._tag)
+
+    def who_is_missing(self, peer: int | None) -> str:
+        """Which ranks did not announce that they wait in this collective, as far as this rank knows."""
+        try:
+            self.progress()
+        except CollectiveError:
+            pass  # a disagreement is reported elsewhere; here only arrival matters
+        group = self._group
+        if self.done:
+            who = "a rank" if peer is None else f"rank {peer}"
+            return f"every rank reached this collective, so {who} is stuck or dead"
+        me = group.transport.rank
+        waiting = group.transport.waiting_ranks(self._tag) | {me}
+        missing = [member for member in group.members if member not in waiting]
+        if not missing:
+            return "every rank waits in this collective: a rank is stuck inside the engine, or dead"
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
+        return (
+            f"{who} did not reach this collective, or stuck or dead "
+            f"(ranks {', '.join(map(str, sorted(waiting)))} said they wait in it)"
+        )
+
+
+_digest_cache: dict[bytes, np.ndarray] = {}
+_DIGEST_CACHE_ENTRIES = 4096
+
+
+def _digests(header: bytes) -> np.ndarray:
+    """(h, -h) as int64, h a 63-bit digest of `header` (made once per header)."""
+    pair = _digest_cache.get(header)
+    if pair is None:
+        h = int.from_bytes(hashlib.blake2b(header, digest_size=8).digest(), "little") >> 1
+        pair = np.array([h, -h], dtype=np.int64)
+        pair.flags.writeable = False
+        if len(_digest_cache) >= _DIGEST_CACHE_ENTRIES:
+            _digest_cache.clear()
+        _digest_cache[header] = pair
+    return pair
