@@ -796,9 +796,8 @@ class MPITransport(Transport):
     def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
         """Every rank's header, by MPI_Iallgather of fixed-size records, polled like a message.
 
-        An abort of the collective at `tag` does not fail it: every rank calls it once the
-        agreement has told them all of the disagreement, so it completes; but the first rank to
-        raise aborts at once, and a gather failed by that would stay pending in MPI until exit."""
+        An abort fails it like any request (a rank that learnt of the disagreement from a message
+        raises without gathering); what MPI still has posted is then drained by `close`."""
         record = bytearray(_HEADER_LENGTH_BYTES + MAX_HEADER_BYTES)
         mine = header[:MAX_HEADER_BYTES]
         record[:_HEADER_LENGTH_BYTES] = len(mine).to_bytes(_HEADER_LENGTH_BYTES, "little")
@@ -808,7 +807,7 @@ class MPITransport(Transport):
         if (refusal := self._refusal()) is not None:
             raise refusal
         gather = self._comm.Iallgather([mine_array, self._byte], [table, self._byte])
-        request = _Native(self, gather, (mine_array, table), tag - 1)  # before the collective: aborts spare it
+        request = _Native(self, gather, (mine_array, table), tag)
         self._live.add(request)
         request.wait(timeout)
         rows = table.reshape(self.size, len(record))

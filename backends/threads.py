@@ -19,7 +19,7 @@ which is how a communicator is duplicated.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -37,6 +37,11 @@ from .matching import Matcher, check, receive_payload
 
 _SEND = "send"
 _RECV = "recv"
+_AGREE = "header agreement"
+_GATHER = "header gathering"
+
+Receive = Callable[[list[np.ndarray]], None]
+"""How a rank that joined an engine call takes every rank's contribution (`ThreadFabric.meet`)."""
 
 
 class ThreadFabric:
@@ -57,6 +62,9 @@ class ThreadFabric:
         """Operations on tags from here on fail (see `abort_reaches`)."""
         self._derived: dict[int, tuple[ThreadFabric, set[int]]] = {}
         """Fabrics being handed out by `derived`, with the ranks that have taken theirs."""
+        self._meetings: dict[tuple[str, int], dict[int, tuple[np.ndarray, LockRequest, Receive]]] = {}
+        """Engine calls under way, by (what, tag): each arrived rank's contribution, request and
+        receive function."""
 
     def endpoint(self, rank: int) -> ThreadTransport:
         """The transport of one rank."""
@@ -87,6 +95,45 @@ class ThreadFabric:
         _deliver(send, recv)
         return request
 
+    def meet(self, what: str, rank: int, tag: int, contribution: np.ndarray, receive: Receive) -> LockRequest:
+        """Join the engine call `what` of the collective at `tag` with `contribution`; the last
+        rank to arrive hands every rank's `receive` the contributions of all (in rank order) and
+        completes every rank's request: one hand-off per rank, where a dissemination takes
+        log2(size) rounds of messages."""
+        request = LockRequest(_RECV, rank, rank, tag, contribution, what.encode())
+        with self._lock:
+            if self._abort is not None or self._closed:
+                abort = self._abort if abort_reaches(tag, self._abort_since) else None
+                failure = post_refusal(abort, self._closed, rank, rank)
+                if failure is not None:
+                    request._finish(failure)
+                    return request
+            arrived = self._meetings.setdefault((what, tag), {})
+            arrived[rank] = (contribution, request, receive)
+            if len(arrived) < self.size:
+                return request
+            del self._meetings[what, tag]
+        contributions = [arrived[r][0] for r in range(self.size)]
+        for _, waiting, deliver in arrived.values():
+            deliver(contributions)
+            waiting._finish()
+        return request
+
+    def arrived(self, what: str, tag: int) -> set[int]:
+        """The ranks waiting in the engine call `what` of the collective at `tag`."""
+        with self._lock:
+            return set(self._meetings.get((what, tag), ()))
+
+    def _withdraw_meetings(self, reached: Callable[[LockRequest], bool]) -> list[LockRequest]:
+        """Take the requests of unfinished engine calls that `reached` picks (lock held)."""
+        withdrawn: list[LockRequest] = []
+        for key, arrived in list(self._meetings.items()):
+            requests = [request for _, request, _ in arrived.values()]
+            if any(reached(request) for request in requests):
+                del self._meetings[key]
+                withdrawn.extend(requests)
+        return withdrawn
+
     def abort(self, origin: int, error: BaseException, since_tag: int | None = None) -> None:
         """Fail every pending and future request of every rank on tags from `since_tag` on (all
         with None) with `error` from `origin`; the first abort's error is the one reported."""
@@ -101,8 +148,9 @@ class ThreadFabric:
             else:
                 self._abort_since = earlier_abort(self._abort_since, since_tag)
             receives, sends = self._matcher.withdraw(reached, reached)
+            meetings = self._withdraw_meetings(reached)
             abort = self._abort
-        for request in receives + sends:
+        for request in receives + sends + meetings:
             request._finish(error_from_abort(*abort, rank=request.rank))
 
     def derived(self, key: int, rank: int) -> ThreadFabric:
@@ -124,9 +172,12 @@ class ThreadFabric:
         with self._lock:
             self._closed.add(rank)
             receives, sends = self._matcher.withdraw(involved, involved)
+            meetings = self._withdraw_meetings(lambda request: True)  # the closed rank will never join
         for request in receives + sends:
             who = "transport" if request.rank == rank else f"peer rank {rank}'s transport"
             request._finish(PeerLostError(f"rank {request.rank}: {who} closed with a {request.kind} pending"))
+        for request in meetings:
+            request._finish(PeerLostError(f"rank {request.rank}: rank {rank} closed its transport during a collective"))
 
 
 def _deliver(send: LockRequest, recv: LockRequest) -> None:
@@ -167,6 +218,29 @@ class ThreadTransport(Transport):
 
     def irecv_reduce(self, buf: np.ndarray, src: int, tag: int, header: bytes, consume: Consume) -> LockRequest:
         return self.fabric.post(_RECV, self.rank, src, tag, buf, header, consume)
+
+    agrees_natively = True
+
+    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> LockRequest:
+        def maximum(digests: list[np.ndarray]) -> None:
+            np.maximum.reduce(digests, out=result)
+
+        return self.fabric.meet(_AGREE, self.rank, tag, digest, maximum)
+
+    def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
+        gathered: list[bytes] = []
+
+        def keep(headers: list[np.ndarray]) -> None:
+            gathered.extend(bytes(h) for h in headers)
+
+        self.fabric.meet(_GATHER, self.rank, tag, np.frombuffer(header, np.uint8), keep).wait(timeout)
+        return gathered
+
+    def announce_waiting(self, tag: int) -> None:
+        """Nothing to send: the fabric sees who waits (`waiting_ranks`)."""
+
+    def waiting_ranks(self, tag: int) -> set[int]:
+        return self.fabric.arrived(_AGREE, tag) - {self.rank}
 
     duplicable = True
 

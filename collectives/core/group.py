@@ -404,9 +404,12 @@ class EngineAgreement:
     Each rank contributes (h, -h), h a 63-bit digest of its header, to a MAX all-reduce: the result
     is (max h, -min h), which equals its own (h, -h) on every rank exactly when all digests are
     equal. One engine call costs a fraction of the Python work of even one round of messages, which
-    is most of what a small collective costs. Every rank gets the same result, so on a
-    disagreement all of them know it at once: they then gather every rank's header (a second
-    engine call) and raise `MismatchError` quoting their own header and the first different one.
+    is most of what a small collective costs (MPI: MPI_Iallreduce; threads: the last rank to
+    arrive compares). Every rank gets the same result, so on a disagreement all of them know it at
+    once: they then gather every rank's header (a second engine call) and raise `MismatchError`
+    quoting their own header and the first different one; a rank that learnt of it from a
+    message of the algorithm first raises at once, and its abort, which quotes both, ends the
+    others' gathering.
     The all-reduce carries no arrival information, so a rank about to time out announces that it
     waits (`announce_waiting`), and a timeout names the ranks whose announcement never came.
     """
