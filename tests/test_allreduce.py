@@ -194,17 +194,20 @@ def test_allreduce_accepts_array_likes_and_op_objects() -> None:
 
 
 AUTO_CASES = [
-    pytest.param(4, None, "ring", "ring", id="p4-one_node"),
-    pytest.param(4, 2, "hierarchical", "hierarchical", id="p4-two_nodes"),
-    pytest.param(6, [3, 1, 2], "hierarchical", "ring", id="p6-uneven"),
+    pytest.param(4, None, "direct", "ring", id="p4-one_node"),
+    pytest.param(4, 2, "direct", "hierarchical", id="p4-two_nodes"),
+    pytest.param(6, [3, 1, 2], "direct", "ring", id="p6-uneven"),
     pytest.param(9, 4, "hierarchical", "ring", id="p9-4+4+1"),
-    pytest.param(3, 1, "ring", "ring", id="p3-rank_per_node"),
-    pytest.param(2, 1, "ring", "ring", id="p2-rank_per_node"),
+    pytest.param(3, 1, "direct", "ring", id="p3-rank_per_node"),
+    pytest.param(2, 1, "direct", "ring", id="p2-rank_per_node"),
 ]
-"""With the default link costs: one node (or one rank per node) has no use for the hierarchical
-algorithms and the double tree's coupled pipeline loses to the ring even for small messages; on
-nodes of equal size the hierarchical ring wins; with a one-rank node (uneven layouts, 4+4+1) the
-hierarchical algorithm's shards are the whole buffer, so large messages go back to the flat ring."""
+"""With the default link costs: a few ranks send a tiny message straight to every other (one step
+instead of the ring's 2(p-1) or the trees' 2 log2(p)), until 8 messages leaving each rank cost
+more than the hierarchical algorithm's steps (p9); one node (or one rank per node) has no use for
+the hierarchical algorithms and the double tree's coupled pipeline loses to the ring for large
+messages; on nodes of equal size the hierarchical ring wins; with a one-rank node (uneven layouts,
+4+4+1) the hierarchical algorithm's shards are the whole buffer, so large messages go back to the
+flat ring."""
 
 
 @pytest.mark.parametrize(("world_size", "ranks_per_node", "small_choice", "large_choice"), AUTO_CASES)

@@ -95,8 +95,9 @@ def test_bench_measures_a_registered_algorithm(toy: AllReduceAlgorithm, capsys: 
 def test_auto_candidates_follow_the_registry(toy: AllReduceAlgorithm) -> None:
     flat = Topology(("a",) * 4)
     nodes = Topology(("a", "a", "b", "b"))
-    assert registry.auto_candidates(flat) == ("ring", "tree", TOY)
+    assert registry.auto_candidates(flat) == ("direct", "ring", "tree", TOY)
     assert registry.auto_candidates(nodes) == (
+        "direct",
         "ring",
         "tree",
         "hierarchical",
@@ -112,7 +113,8 @@ def test_registering_and_asking_for_names_is_checked(toy: AllReduceAlgorithm) ->
     for bad in ("auto", "native", "not a name"):
         with pytest.raises(ValueError, match="identifier"):
             registry.register(AllReduceAlgorithm(bad, "", direct_exchange_steps, direct_exchange_cost))
-    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'nope'; expected one of 'ring', 'tree'"):
+    expected = "unknown all-reduce algorithm 'nope'; expected one of 'direct', 'ring', 'tree'"
+    with pytest.raises(ValueError, match=expected):
         registry.lookup("nope")
 
 
@@ -127,7 +129,7 @@ def test_an_algorithm_is_refused_where_it_cannot_run() -> None:
         )
     )
     try:
-        assert registry.auto_candidates(Topology(("a",) * 3)) == ("ring", "tree")
+        assert registry.auto_candidates(Topology(("a",) * 3)) == ("direct", "ring", "tree")
 
         def body(comm: collectives.Communicator) -> str:
             with pytest.raises(ValueError, match="'pairs_only' cannot run on 3 ranks"):
@@ -135,7 +137,7 @@ def test_an_algorithm_is_refused_where_it_cannot_run() -> None:
             comm.allreduce(np.ones(4))
             return comm.last_algorithm or ""
 
-        assert set(collectives.run_threads(body, world_size=3)) <= {"ring", "tree"}
+        assert set(collectives.run_threads(body, world_size=3)) <= {"direct", "ring", "tree"}
     finally:
         registry.unregister("pairs_only")
 
