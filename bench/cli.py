@@ -32,6 +32,7 @@ from collectives.core.ops import ReduceOp
 
 from .measure import FIXED_ALGORITHM, SweepSpec
 from .payloads import COLLECTIVES, REDUCING, check_exact
+from .raw import RAW, raw_row_fits
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -233,6 +234,9 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     else:
         default = (FIXED_ALGORITHM[collective],)
         known = set(default)
+    if raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):
+        default = (*default, RAW)
+        known.add(RAW)
     algorithms = asked_algorithms(args, ranks, known) or default
     if NATIVE in algorithms and args.backend != "mpi":
         raise UsageError(f"algorithm {NATIVE!r} needs --backend mpi")

@@ -16,6 +16,8 @@ Outputs are poisoned (zeroed: no correct value is zero) before every iteration, 
 that writes nothing cannot pass on the previous one's result; `wrong` counts elements that differ
 from the exact expected result (`collectives.bench.payloads`), summed over ranks and iterations.
 
+On MPI, a `raw` row times MPI's own all-reduce called straight through mpi4py (`collectives.bench.raw`).
+
 Beside the algorithms, every size gets a `copy-bound` row: all ranks copy their input to their
 output at once, with numpy, and nothing else. Any collective must at least read each input and
 write each output, so on a memory-bound machine this is the fastest any algorithm can be; its
@@ -34,6 +36,7 @@ from collectives import Communicator
 from collectives.core.ops import ReduceOp
 
 from .payloads import REDUCING, expected_output, input_count, make_input, output_count
+from .raw import RAW, raw_allreduce
 
 COPY_BOUND = "copy-bound"
 OUT_OF_PLACE = "out-of-place"
@@ -115,6 +118,7 @@ class _Buffers:
         )
         block = count // size
         self.mine = slice(rank * block, (rank + 1) * block)
+        self.raw: Callable[[np.ndarray, np.ndarray], None] | None = None
 
     def refill(self, placement: str) -> None:
         """Untimed: poison the output and, in place, restore the input the last call overwrote."""
@@ -137,6 +141,11 @@ class _Buffers:
             src, out = self.large[self.mine], self.large
         else:
             src, out = self.large, self.large
+        if algorithm == RAW:
+            if self.raw is None:
+                self.raw = raw_allreduce(spec.op)
+            self.raw(src, out)
+            return out
         if collective == "allreduce":
             return comm.allreduce(src, self.op, algorithm=algorithm, out=out)
         if collective == "reduce_scatter":

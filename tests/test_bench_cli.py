@@ -322,3 +322,14 @@ def test_bucket_overlap_model() -> None:
     assert model.efficiency(lambda nbytes: 0.0) == 1.0
     # Buckets ready at 0.1 + 0.2 * k/3; 0.05 s each: the last one ends at 0.35, 0.05 s past compute.
     assert model.exposed_seconds(lambda nbytes: 0.05) == pytest.approx(0.05)
+
+
+def test_mpi_sweeps_time_mpi_itself_beside_the_library() -> None:
+    """On MPI an all-reduce sweep gets a `raw` row (MPI_Allreduce through mpi4py) by default,
+    except for what mpi4py cannot reduce as it is (mean, float16); elsewhere it is refused."""
+    assert cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi"]), 2).algorithms[-2:] == ("native", "raw")
+    for options in (["-o", "mean"], ["-d", "float16"], ["-c", "broadcast"]):
+        spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi", *options]), 2)
+        assert "raw" not in spec.algorithms, options
+    with pytest.raises(cli.UsageError, match="raw"):
+        _spec("-a", "raw")

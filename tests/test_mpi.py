@@ -266,3 +266,34 @@ def test_bench_script_runs() -> None:
     assert "ring/native" in job.output, job.output
     rows = [line.split() for line in job.output.splitlines() if line.split()[-1:] and line.split()[-1].isdigit()]
     assert rows and all(row[-1] == "0" for row in rows), f"wrong results:\n{job.output}"
+
+
+@needs_mpi
+def test_bench_times_raw_mpi_beside_the_library() -> None:
+    """`python -m bench --backend mpi` prints a `raw` row (MPI_Allreduce through mpi4py, no library
+    code) beside `native` and `auto`, all with exact results."""
+    from processes import run_bounded
+
+    command = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--backend",
+        "mpi",
+        "-n",
+        "2",
+        "-b",
+        "4K",
+        "-e",
+        "4K",
+        "-w",
+        "1",
+        "-i",
+        "2",
+    ]
+    job = run_bounded([*command, "-a", "auto,native,raw", "--no-tune"], timeout=JOB_TIMEOUT, merge_stderr=True)
+    assert job.returncode == 0, job.stdout
+    rows = {line.split()[5]: line.split() for line in job.stdout.splitlines() if line.split()[:1] == ["4096"]}
+    assert {"raw", "native"} <= set(rows) and any(name.startswith("auto") for name in rows), job.stdout
+    timed = [row for name, row in rows.items() if name != "copy-bound"]
+    assert all(row[9] == "0" and row[-1] == "0" for row in timed), job.stdout  # the #wrong columns
