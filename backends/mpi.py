@@ -27,8 +27,9 @@ pipelines do): with one tag, the second envelope receive would match the first p
 
 Tags. MPI tags only go up to `MPI.TAG_UB` (2**29 - 1 with MPICH; the standard promises 32767),
 the library's up to about 2**30. A library tag t travels on tags 2m and 2m+1, m = t mod M, M the
-largest power of two with 2M <= TAG_UB; tag TAG_UB is reserved for abort notices. Distinct tags
-collide only if they differ by a multiple of M (2**28 here, at least 8192 anywhere), and that can
+largest power of two with 2M <= TAG_UB - 1; tag TAG_UB is reserved for abort notices and TAG_UB - 1
+for waiting announcements (see the header agreement below). Distinct tags
+collide only if they differ by a multiple of M (2**27 here, at least 8192 anywhere), and that can
 never happen between messages in flight at the same time: a communicator runs collectives one
 after another in the same order on every rank, each on its own block of 64 tags (handed out, and
 checked on every send and receive, by `collectives.core.tags`), and every collective ends with a
@@ -66,7 +67,16 @@ Native all-reduce. `algorithm="native"` is `MPI_Iallreduce` (SUM, MAX, MIN, PROD
 DOUBLE, INT32_T, INT64_T, and FLOAT16_T where the MPI library has it, as MPICH 4+ does; else
 float16 is a TypeError), polled like any request, so it honours timeouts and abort notices
 instead of hanging in a blocking call when a peer never joins. Measured with 2 ranks on one node
-(MPICH 5.0): as fast as the blocking `MPI_Allreduce` at 4 KiB to 64 MiB.
+(MPICH 5.0): as fast as the blocking `MPI_Allreduce` at 4 KiB to 64 MiB. It starts only once
+the header agreement has finished: MPI given buffers of different sizes on different ranks may
+fail in any way.
+
+Header agreement (`agrees_natively`). Every collective's header agreement is one `MPI_Iallreduce`
+of a digest of its header (`collectives.core.group.EngineAgreement`), which costs far less Python
+than a round of envelope messages; after a disagreement the ranks gather the headers with
+`MPI_Iallgather` to name them. The all-reduce says nothing of who arrived, so a rank about to time
+out sends a small announcement to every peer on tag TAG_UB - 1 (`announce_waiting`), and its
+timeout names the ranks whose announcement never came (`waiting_ranks`).
 
 A killed peer (measured with MPICH 5.0's hydra, the `mpich` wheel's `mpiexec`, 3 ranks, one
 SIGKILLed mid-all-reduce, 10 runs each):
@@ -134,9 +144,6 @@ _ENVELOPE_BYTES = _LENGTH_BYTES + _HEADER_LENGTH_BYTES + MAX_HEADER_BYTES + INLI
 _CONTROL_BYTES = 4096
 _SUSPECT = b"S"
 """Flag in an abort notice: the origin believes a peer may be dead (see `_abort_job_at_exit`)."""
-_PRESENT = b"@waiting"
-"""First field of a notice that says the sender waits in a collective (`announce_waiting`); abort
-notices start with an error kind, never with "@"."""
 _WAITING_ENTRIES = 64
 """Collectives whose waiting peers are remembered (the oldest is forgotten first)."""
 _ALL_TAGS = b"*"
@@ -503,7 +510,8 @@ class MPITransport(Transport):
 
         tag_ub = self._comm.Get_attr(MPI.TAG_UB)
         self._control_tag = int(tag_ub)
-        span = 1 << ((self._control_tag // 2).bit_length() - 1)  # largest power of two <= TAG_UB / 2
+        self._presence_tag = self._control_tag - 1
+        span = 1 << (((self._control_tag - 1) // 2).bit_length() - 1)  # largest power of two <= (TAG_UB - 1) / 2
         self._tag_mask = span - 1
 
         self._pool: list[tuple[bytearray, memoryview]] = []
@@ -520,6 +528,9 @@ class MPITransport(Transport):
         self._control_buf = bytearray(_CONTROL_BYTES)
         self._control_status = MPI.Status()
         self._control = self._comm.Irecv([self._control_buf, MPI.BYTE], MPI.ANY_SOURCE, self._control_tag)
+        self._presence_buf = bytearray(_CONTROL_BYTES)
+        self._presence_status = MPI.Status()
+        self._presence = self._comm.Irecv([self._presence_buf, MPI.BYTE], MPI.ANY_SOURCE, self._presence_tag)
         _OPEN.add(self)
         self._datatypes: dict[np.dtype, Any] = {
             np.dtype(np.float32): MPI.FLOAT,
@@ -711,25 +722,14 @@ class MPITransport(Transport):
     # -- failures -------------------------------------------------------------------------------
 
     def _check_control(self) -> None:
-        """Take in the notices that have arrived: a peer's `announce_waiting` is noted; an abort
-        notice fails every pending request it reaches."""
-        while self._abort is None and not self._closed and self._control.Test(self._control_status):
-            origin = self._control_status.Get_source()
-            message = bytes(self._control_buf[: self._control_status.Get_count(self._byte)])
-            if message.startswith(_PRESENT + b"\0"):
-                self._note_waiting(origin, message)
-                self._control = self._comm.Irecv([self._control_buf, self._byte], _MPI.ANY_SOURCE, self._control_tag)
-            else:
-                self._take_abort(origin, message)
-
-    def _note_waiting(self, origin: int, message: bytes) -> None:
-        tag = int(message[len(_PRESENT) + 1 :])
-        if len(self._waiting) >= _WAITING_ENTRIES:
-            self._waiting.pop(next(iter(self._waiting)))
-        self._waiting.setdefault(tag, set()).add(origin)
-
-    def _take_abort(self, origin: int, message: bytes) -> None:
-        kind, suspect, since, text = message.split(b"\0", 3)
+        """Take in an abort notice, if one has arrived: every pending request fails with it."""
+        if self._abort is not None or self._closed:
+            return
+        if not self._control.Test(self._control_status):
+            return
+        origin = self._control_status.Get_source()
+        length = self._control_status.Get_count(self._byte)
+        kind, suspect, since, text = bytes(self._control_buf[:length]).split(b"\0", 3)
         notice = self._abort = (origin, kind.decode(errors="replace"), text.decode(errors="replace"))
         self._abort_since = None if since == _ALL_TAGS else int(since)
         if suspect == _SUSPECT:
@@ -822,19 +822,27 @@ class MPITransport(Transport):
         """Tell every peer that this rank waits in the collective whose tags start at `tag`."""
         if self._closed or self._abort is not None:
             return
-        message = b"\0".join((_PRESENT, str(tag).encode()))
+        message = str(tag).encode()
         for peer in range(self.size):
             if peer != self.rank:
                 try:
-                    self._control_sends.append(
-                        (self._comm.Isend([message, self._byte], peer, self._control_tag), message)
-                    )
+                    request = self._comm.Isend([message, self._byte], peer, self._presence_tag)
                 except _MPI.Exception:
                     continue
+                self._control_sends.append((request, message))
 
     def waiting_ranks(self, tag: int) -> set[int]:
-        """The peers whose `announce_waiting(tag)` has arrived (this rank not included)."""
-        self._check_control()
+        """The peers whose `announce_waiting(tag)` has arrived (this rank not included).
+
+        Announcements travel on a tag of their own, next to the abort notices', so that taking
+        one in never delays seeing an abort."""
+        while not self._closed and self._presence.Test(self._presence_status):
+            origin = self._presence_status.Get_source()
+            announced = int(bytes(self._presence_buf[: self._presence_status.Get_count(self._byte)]))
+            if len(self._waiting) >= _WAITING_ENTRIES:
+                self._waiting.pop(next(iter(self._waiting)))
+            self._waiting.setdefault(announced, set()).add(origin)
+            self._presence = self._comm.Irecv([self._presence_buf, self._byte], _MPI.ANY_SOURCE, self._presence_tag)
         return set(self._waiting.get(tag, ()))
 
     def _start_allreduce(self, src: np.ndarray, dst: np.ndarray, op: str, tag: int) -> _Native:
@@ -889,11 +897,12 @@ class MPITransport(Transport):
         clean = self._abort is None and not self._live and not self._parked
         for request in list(self._live):
             request._fail(PeerLostError(f"rank {self.rank}: transport closed with {request._what()} pending"))
-        if self._control.Test():
-            clean = False  # a notice came in after the last look
-        else:
-            self._control.Cancel()
-            self._parked.append(([self._control], self._control_buf, None))
+        for channel, buffer in ((self._control, self._control_buf), (self._presence, self._presence_buf)):
+            if channel.Test():
+                clean = False  # a notice came in after the last look
+            else:
+                channel.Cancel()
+                self._parked.append(([channel], buffer, None))
         self._parked.extend(([request], message, None) for request, message in self._control_sends)
         self._control_sends = []
         leftover = []

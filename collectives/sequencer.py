@@ -319,7 +319,8 @@ class Sequencer:
         woken by this result can run its next collective at once."""
         with self._turn:
             self._next_to_run = seq + 1
-            self._turn.notify_all()
+            if self._thread is not None:  # only the communication thread ever waits for its turn
+                self._turn.notify_all()
             abort_owed, self._abort_owed = self._abort_owed, False
         if abort_owed and self._broken is not None:  # broken by another thread while this one ran
             self._break(self._broken, seq)  # later collectives, refused, never touch the transport

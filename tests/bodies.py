@@ -172,19 +172,27 @@ def algorithm_mismatch(comm: Communicator) -> None:
 
 def missing_rank_timeout(comm: Communicator) -> None:
     """The last rank comes 3 s late to an all-reduce with a 1.5 s timeout: every other rank's
-    error names it as the rank that did not reach the collective (breaks the communicator)."""
+    error names it as the rank that did not reach the collective. The late rank finds everything
+    it needs already sent, so it may complete (with the right result) before the others' abort
+    reaches it; its next call then fails (the communicator is broken everywhere)."""
     comm.barrier()
     comm.timeout = 1.5
     last = comm.size - 1
     if comm.rank == last:
         time.sleep(3.0)
     try:
-        comm.allreduce(np.ones(10, np.float32))
+        result = comm.allreduce(np.ones(10, np.float32))
     except collectives.CollectiveError as error:
         if comm.rank != last:
             assert f"rank {last} did not reach" in str(error), f"rank {comm.rank}: {error}"
         return
-    raise AssertionError(f"rank {comm.rank}: the all-reduce completed although rank {last} came late")
+    assert comm.rank == last, f"rank {comm.rank}: the all-reduce completed although rank {last} came late"
+    np.testing.assert_array_equal(result, np.full(10, comm.size, np.float32))
+    try:
+        comm.barrier()
+    except collectives.CollectiveError:
+        return
+    raise AssertionError(f"rank {last}: the communicator still works after the others gave up on it")
 
 
 BODIES: dict[str, Callable[[Communicator], None]] = {

@@ -197,7 +197,8 @@ def test_timeout_names_the_rank_that_came_late(n: int) -> None:
     """MPI's one-call header agreement says nothing about who arrived: the ranks that wait
     announce it before giving up, so that the timeout still names the late rank."""
     job = mpirun(n, str(TESTS / "run_body.py"), "missing_rank_timeout")
-    assert_ok(job, n, "missing_rank_timeout ok")
+    for rank in range(n):  # the job then ends non-zero: a timed-out rank counts as lost at exit
+        assert f"rank {rank}: missing_rank_timeout ok" in job.output, job.output
 
 
 def _kill_reports(directory: Path) -> dict[int, str]:
