@@ -16,10 +16,14 @@ Two communicators on a worker, because a server knows only how to serve:
   checks) runs among the workers only, so it never waits for a server. Its ``size`` is W and its
   ``rank`` the worker's index, as Horovod users expect of ``hvd.size()``.
 
-`job_for(comm, algorithm)` says where an all-reduce goes: on the workers' communicator,
-``algorithm="parameter_server"`` and ``"auto"`` go to the servers (they exist to be used; `auto`
-never picks the co-located variant elsewhere, see `collectives.algorithms.parameter_server`), any
-other named algorithm runs among the workers.
+The gradients reach the servers through `DistributedGradientTape` and `GradientAggregator` (so
+`DistributedOptimizer` too): on the workers' communicator their ``algorithm="parameter_server"``
+and ``"auto"`` go to the servers (`job_for`; the servers exist to be used, while elsewhere `auto`
+never picks the parameter-server algorithm, see `collectives.algorithms.parameter_server`), any
+other named algorithm runs among the workers. A numpy program uses
+``job_for(comm, "parameter_server").allreduce_async(x)``; `Communicator` calls on the workers'
+communicator stay among the workers, whatever their algorithm. `join()` is refused: a worker that
+has joined could not answer the servers.
 
 Protocol. A server does not know in advance the shape, dtype, op or number of the collectives it
 will serve, so every all-reduce for the servers is preceded by a *descriptor*: a few int64 words
@@ -378,20 +382,23 @@ def start(transport: Transport, world: Communicator, servers: int) -> Communicat
     """
     job = ParameterServerJob(world, servers, idle_timeout=idle_timeout())
     if job.is_server:
-        _serve_and_exit(job)
+        _serve_and_exit(job, transport)
     workers = job.workers_communicator(transport)
     _before_exit(_finishing(job))
     log.info("collectives: %d worker(s); all-reduces go to %s", job.workers, job.describe_servers())
     return workers
 
 
-def _serve_and_exit(job: ParameterServerJob) -> NoReturn:
+def _serve_and_exit(job: ParameterServerJob, transport: Transport) -> NoReturn:
+    """Serve, say what came of it in one line and exit: 0 once the workers finished; 1 when they
+    failed or disagreed, after aborting the world so that the workers still waiting learn why."""
     rank = job.world.rank
     task = f"ps task {rank - job.workers} (rank {rank})"
     try:
         served = job.serve()
     except (CollectiveError, ValueError) as error:
         print(f"collectives: {task} stopped serving: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        transport.abort(error)
         sys.exit(1)
     print(f"collectives: {task} served {served} collectives for {job.workers} workers", flush=True)
     job.world.close()

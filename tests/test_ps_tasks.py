@@ -42,6 +42,10 @@ sys.path.insert(0, str(HERE / "grpc_scripts"))
 
 from grpc_world import REPO, World  # noqa: E402
 
+sys.path.insert(0, str(HERE / "ps_scripts"))
+
+from numpy_job import contribution, reference  # noqa: E402
+
 HAVE_GRPC = importlib.util.find_spec("grpc") is not None
 requires_grpc = pytest.mark.skipif(not HAVE_GRPC, reason="grpcio is not installed (pip install -e '.[grpc]')")
 requires_tf = pytest.mark.skipif(
@@ -162,13 +166,6 @@ CASES = [(0, "float32", "sum"), (1, "float64", "mean"), (999, "float32", "max"),
 CASES += [(5, "int32", "min"), (3_001, "int64", "prod"), (64, "float16", "sum")]
 
 
-def contribution(rank: int, count: int, dtype: str) -> np.ndarray:
-    rng = np.random.default_rng([rank, count])
-    if np.dtype(dtype).kind == "i":
-        return rng.integers(1, 4, count).astype(dtype)
-    return rng.uniform(0.5, 1.5, count).astype(dtype)
-
-
 @pytest.mark.parametrize("workers, servers", [(1, 1), (2, 1), (3, 2), (4, 3)])
 def test_servers_reduce_what_the_workers_send(workers: int, servers: int) -> None:
     def worker_main(job: ParameterServerJob, comm: collectives.Communicator) -> list[np.ndarray]:
@@ -187,8 +184,7 @@ def test_servers_reduce_what_the_workers_send(workers: int, servers: int) -> Non
     assert errors == [None] * (workers + servers)
     assert results[workers:] == [len(CASES)] * servers
     for index, (count, dtype, op) in enumerate(CASES):
-        inputs = np.stack([contribution(rank, count, dtype).astype(np.float64) for rank in range(workers)])
-        want = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op](inputs, axis=0)
+        want = reference(workers, count, dtype, op)
         got = [results[rank][index] for rank in range(workers)]
         assert all(g.dtype == np.dtype(dtype) and g.tobytes() == got[0].tobytes() for g in got)
         tolerance = {"float16": 1e-2, "float32": 1e-6}.get(dtype, 1e-12)
@@ -353,9 +349,34 @@ def test_killed_worker_makes_the_ps_task_exit_non_zero(tmp_path: Path) -> None:
 
 
 @requires_grpc
+def test_workers_that_disagree_fail_every_task() -> None:
+    with ps_job(NUMPY_JOB, ["disagree"], workers=2, servers=1) as world:
+        codes = world.wait(120)
+    assert codes == [0, 0, 1], world.report()
+    assert "ps task 0 (rank 2) stopped serving: MismatchError" in world.outputs[2], world.report()
+    for outcome in outcomes(world, range(2)):
+        assert outcome["error"] == "MismatchError", outcome
+        message = outcome["message"]  # the server's finding, or the header check between the workers
+        assert "count from 10 to 11" in message or ("(10,)" in message and "(11,)" in message), outcome
+
+
+@requires_grpc
+def test_worker_ending_with_an_exception_does_not_end_the_job() -> None:
+    """A worker whose program raised sends no end: its ps task stops with an error naming it."""
+    with ps_job(NUMPY_JOB, ["crash"], workers=2, servers=1, env={"WORKER_TIMEOUT": "10"}) as world:
+        codes = world.wait(120)
+    assert codes == [0, 1, 1], world.report()
+    assert "worker 1 fails on purpose" in world.outputs[1], world.report()
+    stopped = [line for line in world.outputs[2].splitlines() if "stopped serving" in line]
+    assert stopped and "rank 1" in stopped[0], world.report()
+    assert outcomes(world, range(1))[0]["error"] is not None, world.report()
+
+
+@requires_grpc
 @requires_tf
-def test_train_keras_with_a_ps_task_matches_all_reduce(tmp_path: Path) -> None:
-    args = ["--epochs", "1", "--samples", "1024", "--batch-per-rank", "32"]
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_train_keras_with_a_ps_task_matches_all_reduce(tmp_path: Path, mode: str) -> None:
+    args = ["--epochs", "1", "--samples", "1024", "--batch-per-rank", "32", *(["--graph"] if mode == "graph" else [])]
     with World(TRAIN_KERAS, 2, [*args, "--save", str(tmp_path / "allreduce.npz")], tf_config=True) as world:
         codes = world.wait(240)
     assert codes == [0, 0], world.report()
@@ -366,5 +387,6 @@ def test_train_keras_with_a_ps_task_matches_all_reduce(tmp_path: Path) -> None:
     with np.load(tmp_path / "allreduce.npz") as plain, np.load(tmp_path / "ps.npz") as served:
         assert plain.files == served.files and len(plain.files) == 8
         differences = [float(np.max(np.abs(plain[name] - served[name]))) for name in plain.files]
-    print(f"largest difference of the variables: {max(differences):.3g}")
+    served = next(line for line in job.outputs[2].splitlines() if "served" in line)
+    print(f"{mode}: largest difference of the variables: {max(differences):.3g}; {served}")
     assert max(differences) <= 1e-5, differences

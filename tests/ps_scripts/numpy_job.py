@@ -7,6 +7,9 @@ exits the process; on a worker it returns the workers' communicator, and the sce
                                     checked against a float64 reference and compared across workers
     numpy_job.py loop MARKER_DIR    all-reduces until one fails (after the first few, writes
                                     MARKER_DIR/ready-RANK so that the test can kill a task)
+    numpy_job.py disagree           worker r all-reduces 10 + r items: the ps task must refuse
+    numpy_job.py crash              worker 1 ends with an uncaught exception after one all-reduce,
+                                    worker 0 goes on all-reducing until that fails
 
 Each worker prints one JSON line: {"rank", "size", ...} with what it checked, or for `loop` the
 error that ended it ({"error", "message", "at": time.time() when it was raised}).
@@ -25,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 import collectives
-from collectives.ps_tasks import job_for
+from collectives.ps_tasks import ParameterServerJob, job_for
 
 CASES = [  # (count, dtype, op): uneven sizes, none a multiple of the segment or of the workers
     (0, np.float32, "sum"),
@@ -41,7 +44,7 @@ LOOP_SECONDS = 120.0
 """The `loop` scenario gives up (exit 3) when nothing failed in this long."""
 
 
-def contribution(rank: int, count: int, dtype: type) -> np.ndarray:
+def contribution(rank: int, count: int, dtype: type | str) -> np.ndarray:
     """Worker `rank`'s input: any worker can make any other's, for the reference."""
     rng = np.random.default_rng([rank, count])
     if np.dtype(dtype).kind == "i":
@@ -49,17 +52,21 @@ def contribution(rank: int, count: int, dtype: type) -> np.ndarray:
     return rng.uniform(0.5, 1.5, count).astype(dtype)
 
 
-def reference(workers: int, count: int, dtype: type, op: str) -> np.ndarray:
+def reference(workers: int, count: int, dtype: type | str, op: str) -> np.ndarray:
     """The reduction in float64 over every worker's input."""
     inputs = np.stack([contribution(rank, count, dtype).astype(np.float64) for rank in range(workers)])
-    reduce = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
-    return reduce(inputs, axis=0)
+    return np.asarray(getattr(np, op)(inputs, axis=0))  # np.sum, np.mean, np.max, np.min, np.prod
 
 
-def check_allreduces(comm: collectives.Communicator) -> dict:
+def servers(comm: collectives.Communicator) -> ParameterServerJob:
     job = job_for(comm, "parameter_server")
     if job is None:
         raise AssertionError("no ps tasks found for the workers' communicator")
+    return job
+
+
+def check_allreduces(comm: collectives.Communicator) -> dict:
+    job = servers(comm)
     digest = hashlib.sha256()
     for count, dtype, op in CASES:
         got = job.allreduce_async(contribution(comm.rank, count, dtype), op).wait()
@@ -76,7 +83,7 @@ def check_allreduces(comm: collectives.Communicator) -> dict:
 
 
 def loop_until_error(comm: collectives.Communicator, markers: Path) -> dict:
-    job = job_for(comm, "parameter_server")
+    job = servers(comm)
     x = np.ones(10_000, np.float32)
     started = time.monotonic()
     rounds = 0
@@ -93,11 +100,33 @@ def loop_until_error(comm: collectives.Communicator, markers: Path) -> dict:
     sys.exit(3)
 
 
+def failure(comm: collectives.Communicator, count: int) -> dict:
+    """The error of an all-reduce of `count` items on the servers (None if it succeeded)."""
+    try:
+        servers(comm).allreduce_async(np.ones(count, np.float32)).wait()
+    except collectives.CollectiveError as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
+
+
+def crash(comm: collectives.Communicator) -> dict:
+    failure(comm, 100)
+    if comm.rank == 1:
+        raise RuntimeError("worker 1 fails on purpose")
+    while (outcome := failure(comm, 100))["error"] is None:
+        time.sleep(0.02)
+    return outcome
+
+
 def main() -> None:
     comm = collectives.init(timeout=float(os.environ.get("WORKER_TIMEOUT", "30")))
     scenario = sys.argv[1]
     if scenario == "allreduce":
         outcome = check_allreduces(comm)
+    elif scenario == "disagree":
+        outcome = failure(comm, 10 + comm.rank)
+    elif scenario == "crash":
+        outcome = crash(comm)
     else:
         outcome = loop_until_error(comm, Path(sys.argv[2]))
     print(json.dumps({"rank": comm.rank, "size": comm.size, **outcome}), flush=True)
