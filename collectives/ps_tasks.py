@@ -31,13 +31,17 @@ will serve, so every all-reduce for the servers is preceded by a *descriptor*: a
 serves a copy of the words (`DescriptorLayout`), so the descriptor reaches every server straight
 from every worker, and each word travels as v and -v, so that the maximum of both tells a server
 whether all workers sent the same (max v == -max -v). Then the server runs the all-reduce it
-describes, with a buffer of that dtype and size. The ``end`` descriptor, sent by every worker as
-its interpreter exits (`ParameterServerJob.finish`), stops the servers.
+describes, with a buffer of that dtype and size. The descriptor costs one small all-reduce per
+bucket, queued right before the bucket's, so it travels while the bucket waits its turn. The
+``end`` descriptor, sent by every worker as its interpreter exits (`ParameterServerJob.finish`,
+which waits for the other workers to finish too), stops the servers: a barrier at finalize that
+the servers take part in, so that they know the workers are done rather than gone.
 
 Bounds and failures.
 * A server checks each descriptor before allocating anything: known kind, dtype and op, and at most
   `MAX_SERVED_BYTES`; workers that disagree (one ends while another all-reduces, say) make it
-  stop with `MismatchError` saying what each field ranged over.
+  stop with `MismatchError` saying what each field ranged over. A server that stops on an error
+  aborts the world first, so that the workers waiting on it get the reason, not just its absence.
 * Between collectives a server waits up to the idle timeout (``COLLECTIVES_PS_IDLE_TIMEOUT``
   seconds, `DEFAULT_IDLE_TIMEOUT`): workers compute, evaluate and checkpoint for as long as they
   need. The wait still ends at once when a worker's process dies (its gRPC stream ends; 20 s of
@@ -168,6 +172,8 @@ class ParameterServerJob:
         self.algorithm = parameter_server(servers, dedicated=True)
         self.layout = DescriptorLayout(ParameterServers(servers, dedicated=True), world.size, world.segment_bytes)
         self._finished = False
+        self._pairing = threading.Lock()
+        """Keeps each descriptor next to its all-reduce in the call order, whatever thread submits."""
 
     @property
     def is_server(self) -> bool:
@@ -194,8 +200,10 @@ class ParameterServerJob:
         flat = np.ascontiguousarray(src).reshape(-1)
         target = None if out is None else out.reshape(-1)
         descriptor = self.layout.encode(_ALLREDUCE, REDUCTION_DTYPES.index(flat.dtype), flat.size, _OPS.index(op))
-        described = self.world.allreduce_async(descriptor, "max", self.algorithm)
-        return self._naming_servers(described, self.world.allreduce_async(flat, op, self.algorithm, out=target))
+        with self._pairing:
+            described = self.world.allreduce_async(descriptor, "max", self.algorithm)
+            work = self.world.allreduce_async(flat, op, self.algorithm, out=target)
+        return self._naming_servers(described, work)
 
     def workers_communicator(self, transport: Transport) -> Communicator:
         """The communicator of the workers (a collective of theirs), over a duplicate of the world's
@@ -212,14 +220,15 @@ class ParameterServerJob:
         """Tell the servers this worker is done, waiting (up to the idle timeout) for the other
         workers to be done too; then close the world's communicator. Called once; later calls
         and calls after a failure do nothing (the servers learn of a failure by themselves)."""
-        if self._finished or self.world.broken:
-            return
-        self._finished = True
-        self.world.timeout = self.idle_timeout
-        try:
-            self.world.allreduce(self.layout.encode(_END, 0, 0, 0), "max", self.algorithm)
-        finally:
-            self.world.close()
+        with self._pairing:
+            if self._finished or self.world.broken:
+                return
+            self._finished = True
+            self.world.timeout = self.idle_timeout
+            try:
+                self.world.allreduce(self.layout.encode(_END, 0, 0, 0), "max", self.algorithm)
+            finally:
+                self.world.close()
 
     def _naming_servers(self, described: Work, work: Work) -> Work:
         """`work`, the all-reduce that the descriptor all-reduce `described` announced: its result,

@@ -308,18 +308,27 @@ def wait_for_markers(directory: Path, ranks: range, world: World, limit: float =
         time.sleep(0.1)
 
 
-@requires_grpc
-def test_killed_ps_task_fails_every_worker_naming_it(tmp_path: Path) -> None:
-    timeout = 10.0
-    with ps_job(
-        NUMPY_JOB, ["loop", str(tmp_path)], workers=2, servers=1, env={"WORKER_TIMEOUT": str(timeout)}
-    ) as world:
-        wait_for_markers(tmp_path, range(2), world)
-        process = world.processes[2]
+KILL_TIMEOUT = 10.0
+"""The collectives' timeout in the jobs whose tasks are killed."""
+
+
+def kill_while_looping(markers: Path, victim: int) -> tuple[World, list[int | None], float]:
+    """A job of 2 workers and 1 ps task all-reducing in a loop; once both workers got going, rank
+    `victim` is SIGKILLed. Returns the job, its exit codes and when (time.time()) the kill was."""
+    env = {"WORKER_TIMEOUT": str(KILL_TIMEOUT)}
+    with ps_job(NUMPY_JOB, ["loop", str(markers)], workers=2, servers=1, env=env) as world:
+        wait_for_markers(markers, range(2), world)
+        process = world.processes[victim]
         assert process is not None
         os.kill(process.pid, signal.SIGKILL)
         killed_at = time.time()
-        codes = world.wait(timeout + 60)
+        codes = world.wait(KILL_TIMEOUT + 60)
+    return world, codes, killed_at
+
+
+@requires_grpc
+def test_killed_ps_task_fails_every_worker_naming_it(tmp_path: Path) -> None:
+    world, codes, killed_at = kill_while_looping(tmp_path, victim=2)
     assert codes == [0, 0, -9], world.report()
     for outcome in outcomes(world, range(2)):
         assert outcome["error"] == "PeerLostError", outcome
@@ -327,20 +336,12 @@ def test_killed_ps_task_fails_every_worker_naming_it(tmp_path: Path) -> None:
         assert "rank 2" in outcome["message"].split(":", 2)[2], outcome
         elapsed = outcome["at"] - killed_at
         print(f"rank {outcome['rank']}: {outcome['error']} {elapsed:.2f} s after the kill: {outcome['message']}")
-        assert elapsed < timeout + 5, outcome
+        assert elapsed < KILL_TIMEOUT + 5, outcome
 
 
 @requires_grpc
 def test_killed_worker_makes_the_ps_task_exit_non_zero(tmp_path: Path) -> None:
-    timeout = 10.0
-    with ps_job(
-        NUMPY_JOB, ["loop", str(tmp_path)], workers=2, servers=1, env={"WORKER_TIMEOUT": str(timeout)}
-    ) as world:
-        wait_for_markers(tmp_path, range(2), world)
-        process = world.processes[1]
-        assert process is not None
-        os.kill(process.pid, signal.SIGKILL)
-        codes = world.wait(timeout + 60)
+    world, codes, _ = kill_while_looping(tmp_path, victim=1)
     assert codes[1] == -9 and codes[2] == 1, world.report()
     stopped = [line for line in world.outputs[2].splitlines() if "stopped serving" in line]
     assert stopped and "ps task 0 (rank 2)" in stopped[0] and "rank 1" in stopped[0], world.report()
