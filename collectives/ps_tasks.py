@@ -126,13 +126,9 @@ class DescriptorLayout:
         self.word_of_item = np.zeros(self.items, dtype=np.intp)
         self.served: dict[int, np.ndarray] = {}
         """Per server rank, the items carrying its copy of the words, in word order."""
+        shards = shard_servers(options, size, self.items, np.dtype(np.int64).itemsize, segment_bytes)
         for server in servers:
-            mine = [
-                item
-                for lo, hi, owner in shard_servers(options, size, self.items, 8, segment_bytes)
-                if owner == server
-                for item in range(lo, hi)
-            ]
+            mine = [item for lo, hi, owner in shards if owner == server for item in range(lo, hi)]
             if len(mine) < _WORDS:
                 raise ValueError(
                     f"segment_bytes={segment_bytes} is too small to serve with ps tasks: each server must "
@@ -197,6 +193,8 @@ class ParameterServerJob:
             ValueError, TypeError: bad arguments (before anything is sent).
         """
         src, op = reduction_input(x, op)
+        if out is not None and not (isinstance(out, np.ndarray) and out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous numpy array, got {type(out).__name__}")
         flat = np.ascontiguousarray(src).reshape(-1)
         target = None if out is None else out.reshape(-1)
         descriptor = self.layout.encode(_ALLREDUCE, REDUCTION_DTYPES.index(flat.dtype), flat.size, _OPS.index(op))

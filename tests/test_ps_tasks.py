@@ -176,6 +176,10 @@ def test_servers_reduce_what_the_workers_send(workers: int, servers: int) -> Non
             job,
         )
         assert job_for(comm, "ring") is None
+        with pytest.raises(ValueError, match="C-contiguous"):  # refused before anything is sent
+            job.allreduce_async(np.ones(4), out=np.zeros((4, 2))[:, 0])
+        with pytest.raises(ValueError, match="op"):
+            job.allreduce_async(np.ones(4), "median")
         results = [job.allreduce_async(contribution(comm.rank, *case[:2]), case[2]).wait() for case in CASES]
         assert comm.allreduce(np.ones(3)).tolist() == [workers] * 3  # among the workers only
         return results
