@@ -378,6 +378,19 @@ def test_worker_ending_with_an_exception_does_not_end_the_job() -> None:
 
 
 @requires_grpc
+def test_ps_task_waits_no_longer_than_its_idle_timeout() -> None:
+    env = {"COLLECTIVES_PS_IDLE_TIMEOUT": "2", "WORKER_TIMEOUT": "10"}
+    with ps_job(NUMPY_JOB, ["idle", "6"], workers=2, servers=1, env=env) as world:
+        codes = world.wait(120)
+    assert codes == [0, 0, 1], world.report()
+    stopped = [line for line in world.outputs[2].splitlines() if "stopped serving" in line]
+    assert stopped and "CollectiveTimeoutError" in stopped[0] and "2 s" in stopped[0], world.report()
+    print(stopped[0])
+    for outcome in outcomes(world, range(2)):
+        assert outcome["error"] == "PeerLostError" and "rank 2" in outcome["message"], outcome
+
+
+@requires_grpc
 @requires_tf
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_train_keras_with_a_ps_task_matches_all_reduce(tmp_path: Path, mode: str) -> None:

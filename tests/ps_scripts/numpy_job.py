@@ -10,6 +10,8 @@ exits the process; on a worker it returns the workers' communicator, and the sce
     numpy_job.py disagree           worker r all-reduces 10 + r items: the ps task must refuse
     numpy_job.py crash              worker 1 ends with an uncaught exception after one all-reduce,
                                     worker 0 goes on all-reducing until that fails
+    numpy_job.py idle SECONDS       one all-reduce, a pause of SECONDS, another (which fails where
+                                    the ps task's idle timeout is shorter)
 
 Each worker prints one JSON line: {"rank", "size", ...} with what it checked, or for `loop` the
 error that ended it ({"error", "message", "at": time.time() when it was raised}).
@@ -127,6 +129,10 @@ def main() -> None:
         outcome = failure(comm, 10 + comm.rank)
     elif scenario == "crash":
         outcome = crash(comm)
+    elif scenario == "idle":
+        failure(comm, 100)
+        time.sleep(float(sys.argv[2]))
+        outcome = failure(comm, 100)
     else:
         outcome = loop_until_error(comm, Path(sys.argv[2]))
     print(json.dumps({"rank": comm.rank, "size": comm.size, **outcome}), flush=True)
