@@ -130,13 +130,7 @@ def plot_scaling(points: Sequence[ScalingPoint], path: str, title: str, note: st
                 label=label,
                 zorder=3,
             )
-    ranks = sorted({p.ranks for p in points})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ranks)
-    ax.set_xticklabels([str(r) for r in ranks])
-    ax.minorticks_off()
-    ax.set_ylim(0, 105)
-    ax.set_xlabel("ranks (GPUs)")
+    _efficiency_axes(ax, sorted({p.ranks for p in points}), "ranks (GPUs)")
     ax.set_ylabel("scaling efficiency (%) = compute / (compute + exposed communication)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
@@ -145,6 +139,16 @@ def plot_scaling(points: Sequence[ScalingPoint], path: str, title: str, note: st
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _efficiency_axes(ax: Any, ranks: Sequence[int], xlabel: str) -> None:
+    """Rank counts on a log2 axis, each one a tick; efficiency from 0 to 105%."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks)
+    ax.set_xticklabels([str(r) for r in ranks])
+    ax.minorticks_off()
+    ax.set_ylim(0, 105)
+    ax.set_xlabel(xlabel)
 
 
 def _label_servers(ax: Any, points: Sequence[ScalingPoint]) -> None:
@@ -193,13 +197,7 @@ def plot_presets(presets: Sequence[Preset], points: Mapping[str, Sequence[Scalin
                 label="published (TF 1.1, parameter servers)",
                 zorder=3,
             )
-        gpus = sorted({p.ranks for p in points[preset.name]})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(gpus)
-        ax.set_xticklabels([str(g) for g in gpus])
-        ax.minorticks_off()
-        ax.set_ylim(0, 105)
-        ax.set_xlabel("GPUs")
+        _efficiency_axes(ax, sorted({p.ranks for p in points[preset.name]}), "GPUs")
         ax.set_title(f"{preset.name} ({preset.gpus_per_node} GPU/node)", fontsize=10)
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("scaling efficiency (%)")
