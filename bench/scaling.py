@@ -452,12 +452,14 @@ def measured_curve(
 
 
 def format_scaling(points: Sequence[ScalingPoint]) -> str:
-    """One line per point: cluster, algorithm, source, ranks, efficiency (and auto's choices)."""
-    lines = [f"{'cluster':<46} {'algorithm':>12} {'source':>9} {'ranks':>6} {'efficiency':>10}  auto picks"]
+    """One line per point: cluster, algorithm, source, ranks, efficiency, the parameter server's best
+    number of servers S, and auto's choices."""
+    lines = [f"{'cluster':<46} {'algorithm':>16} {'source':>9} {'ranks':>6} {'efficiency':>10} {'S':>4}  auto picks"]
     for point in points:
+        servers = "" if point.num_servers is None else str(point.num_servers)
         lines.append(
-            f"{point.cluster:<46} {point.algorithm:>12} {point.source:>9} {point.ranks:>6} "
-            f"{point.efficiency * 100:>9.1f}%  {','.join(point.choices)}"
+            f"{point.cluster:<46} {point.algorithm:>16} {point.source:>9} {point.ranks:>6} "
+            f"{point.efficiency * 100:>9.1f}% {servers:>4}  {','.join(point.choices)}"
         )
     return "\n".join(lines)
 
