@@ -325,15 +325,15 @@ def parameter_server_cost(
             if worker == server or not served:
                 continue
             link: LinkCost = costs.intra if node[worker] == node[server] else costs.inter
-            sent = messages * link.alpha + served * link.beta
-            pushing[worker] += sent
+            send_time = messages * link.alpha + served * link.beta
+            pushing[worker] += send_time
             pushed[server] += served * link.beta
-            pulling[server] += sent
+            pulling[server] += send_time
             pulled[worker] += served * link.beta
             if node[worker] == node[server]:
-                copying_push[worker] += sent
+                copying_push[worker] += send_time
                 copied_push[server] += served * link.beta
-                copying_pull[server] += sent
+                copying_pull[server] += send_time
                 copied_pull[worker] += served * link.beta
             else:
                 leaving[node[worker]] += served
