@@ -9,9 +9,12 @@ Cluster description, in order of precedence:
    ``COLLECTIVES_WORLD_SIZE`` and ``COLLECTIVES_ADDRESSES`` (comma-separated ``host:port`` in rank
    order).
 2. ``TF_CONFIG`` as tf.distribute and Kubernetes operators set it:
-   ``{"cluster": {"chief": [...], "worker": [...]}, "task": {"type": "worker", "index": 1}}``.
-   Ranks are the chief (if any) followed by the workers, as in
-   ``MultiWorkerMirroredStrategy``; other task types (ps, evaluator) take no part.
+   ``{"cluster": {"chief": [...], "worker": [...], "ps": [...]}, "task": {"type": "worker", "index": 1}}``.
+   Ranks are the chief (if any), then the workers, as in ``MultiWorkerMirroredStrategy``, then
+   the ``ps`` tasks: W workers take ranks 0..W-1 and S ps tasks W..W+S-1, so the ps tasks are the
+   last S ranks, where the dedicated-server variant of the parameter-server all-reduce puts its
+   servers (`ClusterConfig.servers` says how many; `collectives.ps_tasks` runs such a job). An
+   ``evaluator`` takes no part.
 
 Common to both: ``COLLECTIVES_SECRET`` (shared secret every rank proves it holds, see
 docs/security.md), ``COLLECTIVES_TLS_CERT`` / ``COLLECTIVES_TLS_KEY`` / ``COLLECTIVES_TLS_CA``
@@ -83,6 +86,8 @@ class ClusterConfig:
     """Where this rank listens, when not at its own address (``COLLECTIVES_BIND``)."""
     reuse_port: bool = False
     """Bind with SO_REUSEPORT: the launcher holds the port that way until this rank listens."""
+    servers: int = 0
+    """How many of the last ranks are TF_CONFIG ``ps`` tasks (dedicated parameter servers)."""
 
     @property
     def size(self) -> int:
@@ -153,8 +158,13 @@ def _from_collectives_variables(environ: Mapping[str, str]) -> tuple[int, tuple[
     return rank, addresses
 
 
-def parse_tf_config(text: str) -> tuple[int, tuple[str, ...]]:
-    """(rank, addresses) from a TF_CONFIG JSON string: chief first, then workers."""
+TF_CONFIG_JOBS = ("chief", "worker", "ps")
+"""The TF_CONFIG jobs that take part, in rank order."""
+
+
+def parse_tf_config(text: str) -> tuple[int, tuple[str, ...], int]:
+    """(rank, addresses, number of ps tasks) from a TF_CONFIG JSON string: chief first, then the
+    workers, then the ps tasks."""
     try:
         config = json.loads(text)
     except json.JSONDecodeError as error:
@@ -163,7 +173,7 @@ def parse_tf_config(text: str) -> tuple[int, tuple[str, ...]]:
         raise ValueError(f'{ENV_TF_CONFIG} must be a JSON object with a "cluster" object, got {text[:200]!r}')
     cluster = config["cluster"]
     jobs: dict[str, list[str]] = {}
-    for job in ("chief", "worker"):
+    for job in TF_CONFIG_JOBS:
         members = cluster.get(job, [])
         if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
             raise ValueError(
@@ -172,24 +182,23 @@ def parse_tf_config(text: str) -> tuple[int, tuple[str, ...]]:
         jobs[job] = members
     if len(jobs["chief"]) > 1:
         raise ValueError(f'{ENV_TF_CONFIG}: cluster["chief"] must have at most one address, got {jobs["chief"]!r}')
-    addresses = tuple(jobs["chief"] + jobs["worker"])
-    if not addresses:
+    if not jobs["chief"] + jobs["worker"]:
         raise ValueError(f'{ENV_TF_CONFIG}: cluster has no "chief" or "worker" addresses: {text[:200]!r}')
     task = config.get("task")
     if not isinstance(task, dict):
         raise ValueError(f'{ENV_TF_CONFIG} must have a "task" object like {{"type": "worker", "index": 0}}')
     kind, index = task.get("type"), task.get("index", 0)
-    if kind not in ("chief", "worker"):
+    if kind not in TF_CONFIG_JOBS:
         raise ValueError(
-            f'{ENV_TF_CONFIG}: task type {kind!r} takes no part in collectives; expected "chief" or "worker"'
+            f'{ENV_TF_CONFIG}: task type {kind!r} takes no part in collectives; expected "chief", "worker" or "ps"'
         )
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(jobs[kind]):
         raise ValueError(
             f'{ENV_TF_CONFIG}: task index {index!r} is not a valid index into cluster["{kind}"] '
             f"({len(jobs[kind])} addresses)"
         )
-    rank = index if kind == "chief" else len(jobs["chief"]) + index
-    return rank, addresses
+    first_rank = {"chief": 0, "worker": len(jobs["chief"]), "ps": len(jobs["chief"]) + len(jobs["worker"])}
+    return first_rank[kind] + index, tuple(jobs["chief"] + jobs["worker"] + jobs["ps"]), len(jobs["ps"])
 
 
 def _read_pem(environ: Mapping[str, str], name: str) -> bytes | None:
@@ -210,10 +219,11 @@ def load_config(environ: Mapping[str, str] | None = None) -> ClusterConfig:
         ValueError: a variable is missing or malformed; the message names it and what was expected.
     """
     env = os.environ if environ is None else environ
+    servers = 0
     if env.get(ENV_ADDRESSES) or env.get(ENV_RANK) or env.get(ENV_WORLD_SIZE):
         rank, addresses = _from_collectives_variables(env)
     elif env.get(ENV_TF_CONFIG):
-        rank, addresses = parse_tf_config(env[ENV_TF_CONFIG])
+        rank, addresses, servers = parse_tf_config(env[ENV_TF_CONFIG])
     else:
         raise ValueError(
             f"no cluster description: set {ENV_RANK}, {ENV_WORLD_SIZE} and {ENV_ADDRESSES} "
@@ -257,6 +267,7 @@ def load_config(environ: Mapping[str, str] | None = None) -> ClusterConfig:
         tls=tls,
         bind=bind,
         reuse_port=env.get(ENV_REUSE_PORT) == "1",
+        servers=servers,
     )
 
 

@@ -4,6 +4,7 @@
                     [-w 2 -i 9] [-n 4 --ranks-per-node 2] [--backend threads|mpi|grpc|simulated]
                     [--csv PATH] [--json PATH] [--plot PATH] [--probe | --tune] [--explain]
     python -m bench scaling [--plot PATH] [--csv PATH] [--simulate-up-to 256] [--measured 2,4,8]
+    python -m bench scaling --preset piz-daint|p2.xlarge|p2.8xlarge|dgx1|all [--json PATH] [--plot PATH]
 
 The first form prints an nccl-tests table (out-of-place and in-place columns, `#wrong` from an exact
 check) for one collective on one backend. With `--backend mpi` or `grpc` the ranks are processes
@@ -11,7 +12,8 @@ started for you (through `collectives.launch`); `--backend simulated` prints the
 the simulator's times and auto's regret on a simulated cluster (`collectives.bench.simulated`);
 `--emulate-nodes N --inter-gbit G` runs the gRPC ranks on N nodes emulated with Linux network
 namespaces whose links are rate-limited to G Gbit/s (`collectives.bench.netns`). The second form
-prints (and plots) data-parallel training efficiency against rank count (`collectives.bench.scaling`).
+prints (and plots) data-parallel training efficiency against rank count (`collectives.bench.scaling`),
+with `--preset` for one published cluster (docs/scaling.md).
 
 Everything is checked here, before any rank starts, so a bad option is one clear line, never a
 traceback from every rank. What each command does is in `collectives.bench.commands`.
@@ -33,6 +35,7 @@ from collectives.core.ops import ReduceOp
 from .measure import FIXED_ALGORITHM, SweepSpec
 from .payloads import COLLECTIVES, REDUCING, check_exact
 from .raw import RAW, raw_row_fits
+from .scaling import PRESETS
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -201,7 +204,7 @@ def build_scaling_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench scaling",
         description="Data-parallel training efficiency against rank count (InceptionV3-sized model) "
-        "on modelled clusters: flat ring vs hierarchical vs auto.",
+        "on modelled clusters: flat ring vs hierarchical vs parameter servers (best S) vs auto.",
     )
     parser.add_argument("--plot", metavar="PATH", help="draw efficiency against ranks to a PNG")
     parser.add_argument("--csv", metavar="PATH", help="write the points as CSV")
@@ -220,6 +223,17 @@ def build_scaling_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="RANKS",
         help="also measure on thread ranks of this machine at these rank counts, e.g. 2,4,8",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=[*sorted(PRESETS), "all"],
+        default=None,
+        help="instead: a published cluster from its hardware figures (docs/scaling.md), or all of them: "
+        "TensorFlow 1.1's parameter servers at their best number of servers against ring and hierarchical, "
+        "8 to 128 GPUs",
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="with --preset: write {preset, points: [{gpus, algorithm, ...}]} as JSON"
     )
     return parser
 

@@ -170,9 +170,14 @@ def scaling_command(args: argparse.Namespace) -> int:
         TrainingModel,
         format_scaling,
         measured_curve,
+        parameter_server_curve,
         scaling_curve,
     )
 
+    if args.preset is not None:
+        return preset_command(args)
+    if args.json:
+        raise UsageError("--json writes the points of a --preset")
     model = TrainingModel(compute_seconds=args.compute_seconds, bucket_bytes=int(args.bucket_mib * (1 << 20)))
     points = []
     for kind in CLUSTER_KINDS:
@@ -184,6 +189,7 @@ def scaling_command(args: argparse.Namespace) -> int:
                 points += scaling_curve(
                     kind, algorithm, model, [r for r in RANK_COUNTS if r <= args.simulate_up_to], simulated=True
                 )
+        points += parameter_server_curve(kind, model)
     if args.measured:
         points += measured_curve(args.measured, model)
     print(
@@ -206,9 +212,40 @@ def scaling_command(args: argparse.Namespace) -> int:
             f"buckets of {model.bucket_bytes / (1 << 20):g} MiB all-reduced one at a time as backprop fills them; "
             f"compute {model.compute_seconds * 1e3:.0f} ms/step (InceptionV3, batch 32, V100-class), backprop = "
             f"{model.backprop_fraction:.0%} of it. Lines: cost model (all rank counts); hollow squares: simulated "
-            f"backend (real algorithm code, virtual clock) up to {args.simulate_up_to} ranks. Links: NVLink 3 us, "
+            f"backend (real algorithm code, virtual clock) up to {args.simulate_up_to} ranks; parameter_server: best "
+            "number of co-located servers S (labelled). Links: NVLink 3 us, "
             "NIC 10 us, Ethernet 50 us per message; reductions at 200 GB/s. Horovod paper: ~90% at 8 ranks/node, "
             "~50% for 1 rank/node on 10 Gb/s, at 64 ranks. Crosses: all-reduce times measured on thread ranks here."
         )
-        plot_scaling(points, args.plot, "Data-parallel scaling efficiency: flat ring vs hierarchical vs auto", note)
+        plot_scaling(
+            points,
+            args.plot,
+            "Data-parallel scaling efficiency: ring vs hierarchical vs parameter servers vs auto",
+            note,
+        )
+    return 0
+
+
+def preset_command(args: argparse.Namespace) -> int:
+    """The published clusters' table (and plot, JSON): TensorFlow 1.1's parameter servers at their
+    best S beside ring and hierarchical, from hardware figures alone (`collectives.bench.scaling`)."""
+    import json
+
+    from .scaling import PRESETS, format_presets, preset_json, preset_points
+
+    presets = list(PRESETS.values()) if args.preset == "all" else [PRESETS[args.preset]]
+    if args.json and len(presets) > 1:
+        raise UsageError("--json writes one preset; name it (--preset piz-daint, ...)")
+    if args.csv or args.measured:
+        raise UsageError("--csv and --measured go with the modelled clusters, not with --preset")
+    points = {preset.name: preset_points(preset) for preset in presets}
+    print(format_presets(presets, points))
+    if args.json:
+        with open(args.json, "w") as stream:
+            json.dump(preset_json(presets[0], points[presets[0].name]), stream, indent=1)
+            stream.write("\n")
+    if args.plot:
+        from .plots import plot_presets
+
+        plot_presets(presets, points, args.plot)
     return 0

@@ -6,13 +6,13 @@ benchmark works without it (it comes with the `bench` extra), and plotting must 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from collectives.backends.errors import BackendUnavailableError
 
 from .measure import COPY_BOUND, OUT_OF_PLACE, SweepResult
-from .scaling import ScalingPoint
+from .scaling import Preset, ScalingPoint
 
 
 def require_matplotlib() -> None:
@@ -90,7 +90,7 @@ def plot_busbw(result: SweepResult, path: str, title: str) -> None:
     plt.close(fig)
 
 
-_COLORS = {"ring": "tab:blue", "hierarchical": "tab:green", "auto": "tab:red"}
+_COLORS = {"ring": "tab:blue", "hierarchical": "tab:green", "auto": "tab:red", "parameter_server": "tab:purple"}
 _MARKERS = {"simulated": "s", "measured": "X"}
 
 
@@ -117,6 +117,9 @@ def plot_scaling(points: Sequence[ScalingPoint], path: str, title: str, note: st
             ax.plot(*zip(*curve), color=color, label=label, linewidth=7, alpha=0.25, zorder=1)
         elif source == "model":
             ax.plot(*zip(*curve), color=color, linestyle=style, label=label, linewidth=1.6, zorder=2)
+            _label_servers(
+                ax, [p for p in points if (p.cluster, p.algorithm, p.source) == (cluster, algorithm, source)]
+            )
         else:
             ax.scatter(
                 *zip(*curve),
@@ -127,18 +130,79 @@ def plot_scaling(points: Sequence[ScalingPoint], path: str, title: str, note: st
                 label=label,
                 zorder=3,
             )
-    ranks = sorted({p.ranks for p in points})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ranks)
-    ax.set_xticklabels([str(r) for r in ranks])
-    ax.minorticks_off()
-    ax.set_ylim(0, 105)
-    ax.set_xlabel("ranks (GPUs)")
+    _efficiency_axes(ax, sorted({p.ranks for p in points}), "ranks (GPUs)")
     ax.set_ylabel("scaling efficiency (%) = compute / (compute + exposed communication)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no point hidden
     fig.text(0.01, 0.01, note, fontsize=7, va="bottom", wrap=True)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _efficiency_axes(ax: Any, ranks: Sequence[int], xlabel: str) -> None:
+    """Rank counts on a log2 axis, each one a tick; efficiency from 0 to 105%."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks)
+    ax.set_xticklabels([str(r) for r in ranks])
+    ax.minorticks_off()
+    ax.set_ylim(0, 105)
+    ax.set_xlabel(xlabel)
+
+
+def _label_servers(ax: Any, points: Sequence[ScalingPoint]) -> None:
+    """Write the best number of servers S next to each parameter-server point."""
+    for point in points:
+        if point.num_servers is not None:
+            ax.annotate(
+                f"S={point.num_servers}",
+                (point.ranks, point.efficiency * 100),
+                textcoords="offset points",
+                xytext=(0, -11),
+                ha="center",
+                fontsize=6,
+                color=_COLORS["parameter_server"],
+            )
+
+
+def plot_presets(presets: Sequence[Preset], points: Mapping[str, Sequence[ScalingPoint]], path: str) -> None:
+    """One panel per preset: TensorFlow 1.1's parameter servers (best S labelled), ring and
+    hierarchical from the model, and the published efficiencies as black crosses."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 4.4), squeeze=False, sharey=True)
+    for ax, preset in zip(axes[0], presets):
+        for algorithm, style in (("parameter_server", "-"), ("ring", "--"), ("hierarchical", ":")):
+            curve = sorted((p for p in points[preset.name] if p.algorithm == algorithm), key=lambda p: p.ranks)
+            label = (
+                "TF 1.1 parameter servers (best S)"
+                if algorithm == "parameter_server"
+                else f"{algorithm} (this library)"
+            )
+            ax.plot(
+                [p.ranks for p in curve],
+                [p.efficiency * 100 for p in curve],
+                color=_COLORS[algorithm],
+                linestyle=style,
+                marker=".",
+                label=label,
+            )
+            _label_servers(ax, curve)
+        if preset.published:
+            ax.scatter(
+                *zip(*((gpus, efficiency * 100) for gpus, efficiency in preset.published)),
+                marker="x",
+                color="black",
+                s=50,
+                label="published (TF 1.1, parameter servers)",
+                zorder=3,
+            )
+        _efficiency_axes(ax, sorted({p.ranks for p in points[preset.name]}), "GPUs")
+        ax.set_title(f"{preset.name} ({preset.gpus_per_node} GPU/node)", fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("scaling efficiency (%)")
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.suptitle("InceptionV3, batch 64 per GPU: model from hardware figures vs published", fontsize=10)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

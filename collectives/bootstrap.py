@@ -3,7 +3,9 @@
 Users start ranks the way they already do, and `init()` recognises it:
 
 * `mpiexec -n 4 python train.py` (MPICH, Open MPI, any PMI launcher) -> the MPI backend;
-* `TF_CONFIG` (tf.distribute, Kubernetes templates) -> the gRPC backend;
+* `TF_CONFIG` (tf.distribute, Kubernetes templates) -> the gRPC backend; with a ``ps`` job, a
+  ``ps`` task serves the workers' gradients until they finish and exits inside `init()`, and a
+  worker gets the communicator of the workers (`collectives.ps_tasks`);
 * `python -m collectives.launch -n 4 [--backend grpc|mpi] train.py` -> whichever it asks for;
 * nothing -> a one-rank communicator, so the same script runs on a laptop.
 
@@ -17,7 +19,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from collectives import logs, timeline
+from collectives import logs, ps_tasks, timeline
 from collectives.backends.base import Transport, emulated_host
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES
@@ -70,7 +72,9 @@ def init(
         segment_bytes: pipelining granularity of the algorithms.
 
     Returns:
-        The communicator; also returned by `default_communicator()` from now on.
+        The communicator; also returned by `default_communicator()` from now on. In a TF_CONFIG
+        job with ``ps`` tasks it is the workers' (its `size` is the number of workers), and a
+        ``ps`` task does not return: it serves, then exits the process (`collectives.ps_tasks`).
     """
     global _default
     chosen = backend if backend is not None else detect_backend(os.environ)
@@ -80,6 +84,9 @@ def init(
     logs.configure(transport.rank)
     _emulate_nodes(transport, os.environ)
     comm = Communicator(transport, timeout=timeout, segment_bytes=segment_bytes)
+    servers = _parameter_server_tasks(chosen)
+    if servers:
+        comm = ps_tasks.start(transport, comm, servers)  # a ps task serves here and exits
     if os.environ.get(ENV_TIMELINE):
         timeline.synchronize_clocks(comm)  # before any trace event, so every rank's events share rank 0's clock
     if chosen is None:
@@ -124,6 +131,15 @@ def _make_transport(backend: str | None, timeout: float) -> Transport:
     from collectives.backends.threads import ThreadFabric
 
     return ThreadFabric(["localhost"]).endpoint(0)
+
+
+def _parameter_server_tasks(backend: str | None) -> int:
+    """How many TF_CONFIG ``ps`` tasks the world ends with (0 but for gRPC with a ``ps`` job)."""
+    if backend != "grpc":
+        return 0
+    from collectives.backends._grpc_config import load_config
+
+    return load_config().servers
 
 
 def _emulate_nodes(transport: Transport, environ: Mapping[str, str]) -> None:

@@ -5,6 +5,10 @@ Runs on one rank as it is, or on several:
     python examples/train_keras.py                                   # 1 rank
     python -m collectives.launch -n 2 examples/train_keras.py        # 2 ranks over gRPC
     mpiexec -n 2 python examples/train_keras.py                      # 2 ranks over MPI
+    TF_CONFIG='{"cluster": ..., "task": ...}' python examples/train_keras.py   # on every task
+
+With ``ps`` tasks in TF_CONFIG, `collectives.init()` on a ps task serves the workers' gradients
+and exits when they finish; the workers' tape sends its buckets to the ps tasks.
 
 The data are generated (no downloads): 8x8 "digits", each class a fixed random stroke pattern
 plus noise, so accuracy climbs from 10% to above 95% within the first epoch. Every rank generates
@@ -58,6 +62,7 @@ def main() -> None:
     parser.add_argument("--batch-per-rank", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--graph", action="store_true", help="run the training step inside tf.function")
+    parser.add_argument("--save", metavar="PATH", help="rank 0 saves the trained variables to this .npz file")
     args = parser.parse_args()
 
     comm = collectives.init()
@@ -92,6 +97,8 @@ def main() -> None:
             print(
                 f"epoch {epoch + 1}: loss {totals[0] / totals[2]:.4f}  accuracy {totals[1] / totals[2]:.3f}", flush=True
             )
+    if args.save and comm.rank == 0:
+        np.savez(args.save, *[variable.numpy() for variable in model.trainable_variables])
     comm.close()
 
 

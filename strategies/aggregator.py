@@ -57,6 +57,9 @@ class GradientAggregator:
             (better when most rows are touched every step).
         timeline: path of a Chrome trace of backprop and communication (see `timeline`); None
             uses $COLLECTIVES_TIMELINE when set.
+        algorithm: the all-reduce algorithm of the buckets: "auto", or a name of
+            `comm.algorithms`. In a TF_CONFIG job with ``ps`` tasks, "auto" and
+            "parameter_server" send them to the ps tasks (`collectives.ps_tasks`).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class GradientAggregator:
         compression: Compressor | None = None,
         sparse_as_dense: bool = False,
         timeline: str | os.PathLike | None = None,
+        algorithm: str = "auto",
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -78,6 +82,7 @@ class GradientAggregator:
         self.bucket_bytes = bucket_bytes
         self.compressor = compression or Compression.none
         self.sparse_as_dense = sparse_as_dense
+        self.algorithm = algorithm
         self._timeline_path = timeline
         self._timeline: Timeline | None = None
         self._exchanges: dict[tuple, BucketExchange] = {}
@@ -257,7 +262,12 @@ class GradientAggregator:
                     )
                 buckets = plan_buckets(specs, self.bucket_bytes)
                 exchange = BucketExchange(
-                    self.comm, buckets, average=self.average, compressor=self.compressor, timeline=self.timeline
+                    self.comm,
+                    buckets,
+                    average=self.average,
+                    compressor=self.compressor,
+                    timeline=self.timeline,
+                    algorithm=self.algorithm,
                 )
                 self._exchanges[key] = exchange
         return exchange

@@ -11,18 +11,24 @@ Each step is join-aware (see `joining`) at the cost of one small announcement pe
 bucket: the announcement of step k+1 is promised right after step k's last bucket has started, so
 that step k+1's first bucket starts as soon as its gradients are ready.
 
+Where the all-reduces run: on the communicator, with the algorithm asked for; or, in a TF_CONFIG
+job with ``ps`` tasks, on the servers when the algorithm is "auto" or "parameter_server"
+(`collectives.ps_tasks.job_for`), the communicator's ranks being the workers.
+
 This module knows nothing of TensorFlow: it sees numpy arrays, so the same code serves eager
 gradient hooks and the numpy functions of a `tf.function` graph.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from collectives import Communicator, Work
+from collectives.ps_tasks import job_for
 from collectives.timeline import COMMUNICATION, Timeline
 
 from ._tensorflow import aligned_empty
@@ -32,7 +38,10 @@ from .joining import AnnouncedSteps
 
 
 class BucketExchange:
-    """The buckets of one gradient layout; reused step after step (buffers are allocated once)."""
+    """The buckets of one gradient layout; reused step after step (buffers are allocated once).
+
+    `algorithm` is the all-reduce algorithm of every bucket ("auto", or a name of `comm.algorithms`).
+    """
 
     def __init__(
         self,
@@ -42,8 +51,15 @@ class BucketExchange:
         average: bool,
         compressor: Compressor,
         timeline: Timeline | None = None,
+        algorithm: str = "auto",
     ) -> None:
         self.comm = comm
+        servers = job_for(comm, algorithm)
+        self._start_allreduce = (
+            servers.allreduce_async
+            if servers is not None
+            else functools.partial(comm.allreduce_async, op="sum", algorithm=algorithm)
+        )
         self.buckets = tuple(buckets)
         self.average = average
         self.compressor = compressor
@@ -53,7 +69,7 @@ class BucketExchange:
         self._where = {
             slot.variable: (index, slot) for index, bucket in enumerate(self.buckets) for slot in bucket.slots
         }
-        self._announced = AnnouncedSteps(comm, [compressor.compress(buffer)[0] for buffer in self._buffers])
+        self._announced = AnnouncedSteps(comm, [compressor.compress(buffer)[0] for buffer in self._buffers], algorithm)
         self._lock = threading.Lock()
         self._reset()
 
@@ -126,7 +142,7 @@ class BucketExchange:
                 self._announced.begin()
             wire, self._contexts[self._next] = self.compressor.compress(self._buffers[self._next])
             result = aligned_empty(wire.shape, wire.dtype)  # fresh each step: tensors may share it
-            self._works[self._next] = self.comm.allreduce_async(wire, out=result)
+            self._works[self._next] = self._start_allreduce(wire, out=result)
             self._next += 1
             if self._next == len(self.buckets):
                 self._announced.promise_next()

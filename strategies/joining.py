@@ -57,6 +57,7 @@ import numpy as np
 
 from collectives import Communicator, MismatchError, Work
 from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction
+from collectives.ps_tasks import job_for
 
 from ._tensorflow import communicator
 
@@ -88,8 +89,15 @@ def join(comm: Communicator | None = None) -> int:
     Raises:
         MismatchError: the ranks still training announced different collectives, or one of them
             called a collective that is not join-aware.
+        NotImplementedError: `comm` is the workers' communicator of a TF_CONFIG job with ``ps``
+            tasks, whose servers a joined rank cannot answer.
     """
     comm = communicator(comm)
+    if job_for(comm, "auto") is not None:
+        raise NotImplementedError(
+            f"rank {comm.rank}: join() cannot answer the all-reduces that go to the ps tasks; "
+            "give every worker the same number of batches"
+        )
     if comm.size == 1:
         return comm.rank
     kept = _settle_promise(comm)
@@ -144,10 +152,11 @@ class AnnouncedSteps:
     """The announcements of the steps of one bucket layout: `begin` before a step's first bucket,
     `promise_next` once its last bucket has started (see the module docstring)."""
 
-    def __init__(self, comm: Communicator, wires: Sequence[np.ndarray]) -> None:
-        """`wires`: one array per bucket as it travels (dtype and size), all-reduced with "sum"."""
+    def __init__(self, comm: Communicator, wires: Sequence[np.ndarray], algorithm: str = "auto") -> None:
+        """`wires`: one array per bucket as it travels (dtype and size), all-reduced with "sum" by
+        `algorithm`."""
         self.comm = comm
-        self.rows = np.array([_allreduce_row(comm, wire, "sum", "auto") for wire in wires], dtype=np.int64)
+        self.rows = np.array([_allreduce_row(comm, wire, "sum", algorithm) for wire in wires], dtype=np.int64)
         self._record = np.zeros(_RECORD_WORDS, dtype=np.int64)
         self._record[_STATE], self._record[_KIND], self._record[_COUNT] = _ACTIVE, _STEP, len(self.rows)
         self._record[_DIGEST:] = _digest_words(self.rows.tobytes())

@@ -46,7 +46,8 @@ class DistributedGradientTape:
         model: the Keras model (or a list of its trainable variables) whose gradients are wanted;
             enables handing gradients over during backprop in eager mode.
         aggregator: share a `GradientAggregator`; otherwise one is made from the remaining args.
-        average, bucket_bytes, compression, sparse_as_dense, timeline: see `GradientAggregator`.
+        average, bucket_bytes, compression, sparse_as_dense, timeline, algorithm: see
+            `GradientAggregator` ("auto" or "parameter_server" use the ps tasks of a TF_CONFIG job).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class DistributedGradientTape:
         compression: Compressor | None = None,
         sparse_as_dense: bool = False,
         timeline: str | os.PathLike | None = None,
+        algorithm: str = "auto",
     ) -> None:
         self._given_tape = tape
         self._tape = tape
@@ -71,6 +73,7 @@ class DistributedGradientTape:
             compression=compression,
             sparse_as_dense=sparse_as_dense,
             timeline=timeline,
+            algorithm=algorithm,
         )
         self._model = model
         self._hooks: GradientHooks | None = None

@@ -57,7 +57,15 @@ def _spec(*argv: str):
 def test_defaults_and_options_reach_the_spec() -> None:
     spec = _spec()
     assert spec.collective == "allreduce" and spec.op == "sum" and spec.dtype == "float32"
-    assert spec.algorithms == ("direct", "ring", "tree", "hierarchical", "hierarchical_tree", "auto")
+    assert spec.algorithms == (
+        "direct",
+        "ring",
+        "tree",
+        "hierarchical",
+        "hierarchical_tree",
+        "parameter_server",
+        "auto",
+    )
     spec = _spec(
         "-c", "reduce_scatter", "-o", "max", "-d", "int64", "-w", "1", "-i", "5", "-b", "1K", "-e", "4K", "-f", "2"
     )
@@ -277,12 +285,13 @@ def test_simulated_backend_prints_each_algorithm_beside_the_model_and_the_regret
     out = capsys.readouterr().out
     assert "simulated cluster of 2 x 2 ranks" in out and "# probed: intra 1.00 us 50.00 GB/s" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1024"], ["65536"])]
-    assert [row[1] for row in rows[:6]] == [
+    assert [row[1] for row in rows[:7]] == [
         "direct",
         "ring",
         "tree",
         "hierarchical",
         "hierarchical_tree",
+        "parameter_server",
         "regret",
     ]
     assert sum(row.count("*") for row in rows) == 4  # auto's pick and the fastest, at each size

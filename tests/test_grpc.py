@@ -126,8 +126,8 @@ def test_tf_config_workers_and_chief() -> None:
     both = {"chief": ["c:1"], "worker": workers, "ps": ["p:1"]}
     assert wire.load_config(tf_config(both, {"type": "chief", "index": 0})).rank == 0
     config = wire.load_config(tf_config(both, {"type": "worker", "index": 0}))
-    assert (config.rank, config.size) == (1, 4)
-    assert config.addresses[0] == "c:1"
+    assert (config.rank, config.size, config.servers) == (1, 5, 1)
+    assert config.addresses[0] == "c:1" and config.addresses[-1] == "p:1"
 
 
 def test_collectives_variables_take_precedence_over_tf_config() -> None:
@@ -141,7 +141,14 @@ def test_collectives_variables_take_precedence_over_tf_config() -> None:
         ("{not json", ["TF_CONFIG", "JSON"]),
         (json.dumps({"task": {"type": "worker"}}), ["cluster"]),
         (json.dumps({"cluster": {"worker": ["a:1"]}}), ["task"]),
-        (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}}), ["'ps'", "chief"]),
+        (
+            json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "evaluator", "index": 0}}),
+            ["'evaluator'", "chief"],
+        ),
+        (
+            json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}}),
+            ['cluster["ps"]', "0 addresses"],
+        ),
         (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}), ["index 3"]),
         (json.dumps({"cluster": {"worker": "a:1"}, "task": {"type": "worker", "index": 0}}), ["list"]),
         (json.dumps({"cluster": {"ps": ["a:1"]}, "task": {"type": "worker", "index": 0}}), ['no "chief" or "worker"']),

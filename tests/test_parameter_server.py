@@ -230,12 +230,14 @@ def test_variants_reduce_on_the_simulator_on_both_drivers(options: ParameterServ
 @pytest.mark.parametrize("servers", [1, 2, None])
 @pytest.mark.parametrize("nbytes", [4096, 1 << 20, 16 << 20])
 def test_the_model_follows_the_simulator_on_one_node(servers: int | None, nbytes: int) -> None:
-    """Within 25% of the simulated time on one node of 8 ranks, with the probed link costs."""
+    """Within 25% of the simulated time on one node of 8 ranks, with the probed link costs, or above
+    it where a server serves several shards, by less than double: the model has a rank's core make
+    its copies and its reductions in turn, which the simulator overlaps."""
     shape = grid_cluster(1, 8, 10)
     name = parameter_server(servers)
     simulated = simulate_allreduce(shape, name, nbytes).time
     predicted = registry.predict(name, nbytes, Topology(shape.hosts), probe_cluster(shape), DEFAULT_SEGMENT_BYTES)
-    assert predicted == pytest.approx(simulated, rel=0.25)
+    assert simulated * 0.75 <= predicted <= simulated * 2
 
 
 def test_the_model_charges_the_incast_of_few_servers() -> None:
@@ -251,9 +253,9 @@ def test_the_model_charges_the_incast_of_few_servers() -> None:
     assert predict(parameter_server(1, dedicated=True)) == pytest.approx(one, rel=0.2)
 
 
-def test_auto_leaves_the_parameter_server_to_those_who_name_it() -> None:
-    """Measured, it is slower than the model says (see the module docstring): auto never picks it,
-    on any layout, while naming it runs it."""
+def test_auto_weighs_the_parameter_server_on_nodes_of_several_ranks_only() -> None:
+    """On nodes of several ranks auto explains it beside the others (and picks the cheapest); on one
+    node or one rank per node it does not consider it, while naming it runs it everywhere."""
 
     def body(comm: collectives.Communicator) -> Any:
         explained = [comm.explain(nbytes) for nbytes in (4096, 1 << 20, 16 << 20)]
@@ -262,9 +264,22 @@ def test_auto_leaves_the_parameter_server_to_those_who_name_it() -> None:
 
     for ranks_per_node in (None, 1, 2):
         explained, reduced, chosen = collectives.run_threads(body, 4, ranks_per_node=ranks_per_node)[0]
-        assert all(NAME not in explanation.predicted for explanation in explained)
+        for explanation in explained:
+            assert (NAME in explanation.predicted) == (ranks_per_node == 2)
+            assert explanation.choice == min(explanation.predicted, key=explanation.predicted.__getitem__)
         np.testing.assert_array_equal(reduced, np.full(5, 10.0))
         assert chosen == NAME
+
+
+def test_on_one_node_the_model_does_not_rank_it_above_the_ring() -> None:
+    """On one node a rank's core makes its copies and its reductions in turn: with every rank a
+    server that is the ring's work, so the model no longer has the parameter server ahead where
+    measured it is behind (4 thread ranks: 3-10% slower up to 1 MiB, even at 16 MiB)."""
+    costs = probe_cluster(grid_cluster(1, 4, 10))
+    flat = Topology(("a",) * 4)
+    for nbytes in (4096, 1 << 20, 16 << 20, 64 << 20):
+        ring = registry.predict("ring", nbytes, flat, costs, DEFAULT_SEGMENT_BYTES)
+        assert registry.predict(NAME, nbytes, flat, costs, DEFAULT_SEGMENT_BYTES) >= ring * 0.99
 
 
 # -- bench ----------------------------------------------------------------------------------------

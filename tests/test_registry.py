@@ -102,6 +102,7 @@ def test_auto_candidates_follow_the_registry(toy: AllReduceAlgorithm) -> None:
         "tree",
         "hierarchical",
         "hierarchical_tree",
+        "parameter_server",
         TOY,
     )
     assert "reference" not in registry.contenders() and TOY in registry.contenders()

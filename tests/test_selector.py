@@ -141,7 +141,8 @@ def test_explain_lists_every_candidate() -> None:
     explanation = collectives.run_threads(body, 4, ranks_per_node=2)[0]
     text = str(explanation)
     assert explanation.choice in text and "<- auto" in text
-    assert set(explanation.predicted) == {"direct", "ring", "tree", "hierarchical", "hierarchical_tree"}
+    expected = {"direct", "ring", "tree", "hierarchical", "hierarchical_tree", "parameter_server"}
+    assert set(explanation.predicted) == expected
     assert explanation.choice == min(explanation.predicted, key=explanation.predicted.__getitem__)
     with pytest.raises(ValueError):
         collectives.run_threads(lambda comm: comm.explain(-1), 1)

@@ -44,17 +44,22 @@ receives W n/S bytes and sends as many: the incast that makes servers the bottle
 
 With one shard per server the phases follow one another; with m shards they form a pipeline, so
 the time is one shard through all three phases plus m-1 shards at the pace of the busiest
-resource (a send or receive port, pushes and pulls together, a NIC, or the server's reductions).
+resource (a send or receive port, pushes and pulls together, a NIC, or a rank's core).
 With S = W co-located servers that is the ring's 2 (p-1)/p n beta with 2 (p-1) messages per rank
 in two rounds instead of 2 (p-1); fewer servers send fewer messages but move W/S times more bytes
 through each server, and between nodes every shard crosses the NIC of its server's node.
 `parameter_server_cost` counts all this per rank and per node from the cut and placement the code
-uses. `auto` does not consider it: the model ranks it close to the ring and the hierarchical
-algorithms, but measured it is not. On one node a receive is a memory copy by the rank's own core,
-made in turn with its reductions rather than beside them as the model (and the simulator) has it:
-on 4 thread ranks the ring is about 20% faster at 1 and 16 MiB. On 2 nodes of 2 ranks, tuned `auto`
-picked it from 1 MiB on and was 1.4-2x slower than the ring at 1 and 16 MiB. Name it explicitly
-(`algorithm="parameter_server"` or `parameter_server(S, ...)`) to compare it.
+uses. On one node a send or receive is a memory copy made by a rank's own core, the core that also
+reduces, so there a rank's copies and its reductions take turns rather than overlap: the model adds
+them (a server's push copies, its reductions, its pull copies) where the simulator overlaps them.
+With every rank a server that is the ring's own work, and the model ties with the ring on one node;
+measured on 4 thread ranks the parameter server was 3-10% slower up to 1 MiB and level at 16 MiB,
+where the model without this term had it 18% ahead (docs/scaling.md). `auto` considers the default
+variant on several nodes of several ranks, where it competes with the hierarchical algorithms (on 2
+emulated nodes of 2 ranks, probed or tuned, auto kept to those); on one node or one rank per node it
+is at best the ring's exchange in two rounds, and the simulator, which overlaps copies with
+reductions, would rank it ahead. Name it (`algorithm="parameter_server"` or
+`parameter_server(S, ...)`) to run it anywhere.
 """
 
 from __future__ import annotations
@@ -308,35 +313,56 @@ def parameter_server_cost(
     pushed = [0.0] * size
     pulling = [0.0] * size
     pulled = [0.0] * size
+    copying_push = [0.0] * size  # the part of them that is a copy on the node, made by the rank's core
+    copied_push = [0.0] * size
+    copying_pull = [0.0] * size
+    copied_pull = [0.0] * size
     leaving = [0] * topology.num_nodes  # bytes through each node's NIC in the push (the pull reverses them)
     entering = [0] * topology.num_nodes
-    reducing = 0.0
+    reducing = [(workers - 1) * served * costs.gamma for served in served_bytes]
     for server, (served, messages) in enumerate(zip(served_bytes, served_messages)):
         for worker in range(workers):
             if worker == server or not served:
                 continue
             link: LinkCost = costs.intra if node[worker] == node[server] else costs.inter
-            pushing[worker] += messages * link.alpha + served * link.beta
+            send_time = messages * link.alpha + served * link.beta
+            pushing[worker] += send_time
             pushed[server] += served * link.beta
-            pulling[server] += messages * link.alpha + served * link.beta
+            pulling[server] += send_time
             pulled[worker] += served * link.beta
-            if node[worker] != node[server]:
+            if node[worker] == node[server]:
+                copying_push[worker] += send_time
+                copied_push[server] += served * link.beta
+                copying_pull[server] += send_time
+                copied_pull[worker] += served * link.beta
+            else:
                 leaving[node[worker]] += served
                 entering[node[server]] += served
-        reducing = max(reducing, (workers - 1) * served * costs.gamma)
     through_nic = max(*leaving, *entering) * costs.nic_beta
     push = max(max(pushing), max(pushed), through_nic)
     pull = max(max(pulling), max(pulled), through_nic)
     # The shards flow through the phases as a pipeline: the first fills it, then the busiest
-    # resource paces the rest.
+    # resource paces the rest. A rank's core is one resource: its copies on the node and its
+    # reductions take turns.
     busiest = max(
         *(sending + received for sending, received in zip(pushing, pulling)),
         *(received + sent for received, sent in zip(pushed, pulled)),
         2 * through_nic,
-        reducing,
+        *(
+            max(pushes) + reductions + max(pulls)
+            for pushes, reductions, pulls in zip(
+                zip(copying_push, copied_push), reducing, zip(copying_pull, copied_pull)
+            )
+        ),
     )
     shards = max(served_messages)
-    return (push + reducing + pull) / shards + (shards - 1) / shards * busiest
+    return (push + max(reducing) + pull) / shards + (shards - 1) / shards * busiest
+
+
+def _between_nodes_of_several_ranks(topology: Topology) -> bool:
+    """Where `auto` considers the parameter server: several nodes of several ranks, where it
+    competes with the hierarchical algorithms (the module docstring says why not elsewhere)."""
+    return topology.is_hierarchical
 
 
 def _algorithm(options: ParameterServers) -> AllReduceAlgorithm:
@@ -350,12 +376,12 @@ def _algorithm(options: ParameterServers) -> AllReduceAlgorithm:
         summary=(
             f"workers push shards to parameter servers ({servers}, {options.placement.replace('_', '-')} "
             "placement), which reduce them in rank order and send them back; `parameter_server(S, ...)` names "
-            "other variants (auto: never, see the module docstring)"
+            "other variants (auto: on several nodes of several ranks)"
         ),
         steps=ignoring_nodes(functools.partial(parameter_server_steps, options=options)),
         cost=functools.partial(parameter_server_cost, options),
         runs_on=lambda topology: options.runs_on(topology.size),
-        auto_candidate=None,
+        auto_candidate=_between_nodes_of_several_ranks,
         variant=_variant,
     )
 
