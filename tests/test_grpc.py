@@ -165,17 +165,22 @@ def test_tls_needs_certificate_and_key(tmp_path: Path) -> None:
     assert config.tls is not None and config.tls.ca is None
 
 
+def _prefix(flags: int, tag: int, total: int, header_len: int) -> bytes:
+    return wire.PREFIX.pack(wire.FRAME_MAGIC, wire.FRAME_VERSION, flags, tag, 1, total, header_len)
+
+
 @pytest.mark.parametrize(
     "frame, words",
     [
         (b"", "shorter"),
         (b"\x00" * 100, "magic"),
-        (wire.PREFIX.pack(b"CF", 2, 8, 0, 1, 0, 0), "flags"),
-        (wire.PREFIX.pack(b"CF", 2, 3, 0, 1, 1 << 50, 0), "limit"),
-        (wire.PREFIX.pack(b"CF", 2, 3, 0, 1, 10, 500) + b"x" * 10, "runs past"),
-        (wire.PREFIX.pack(b"CF", 2, 2, 0, 1, 10, 4) + b"x" * 10, "header length"),
-        (wire.PREFIX.pack(b"CF", 2, 3, 0, 1, 2, 0) + b"x" * 10, "more than"),
-        (wire.PREFIX.pack(b"CF", 2, 3, -5, 1, 2, 0), "tag"),
+        (_prefix(8, 0, 0, 0), "flags"),
+        (_prefix(3, 0, 1 << 50, 0), "limit"),
+        (_prefix(3, 0, 10, 500) + b"x" * 10, "runs past"),
+        (_prefix(2, 0, 10, 4) + b"x" * 10, "header length"),
+        (_prefix(1, 0, 2, 0) + b"x" * 10, "more than"),
+        (_prefix(3, 0, 20, 0) + b"x" * 10, "carries 10 of its 20"),
+        (_prefix(3, -5, 2, 0), "tag"),
     ],
 )
 def test_malformed_frames_are_rejected_by_the_parser(frame: bytes, words: str) -> None:
@@ -184,9 +189,21 @@ def test_malformed_frames_are_rejected_by_the_parser(frame: bytes, words: str) -
 
 
 def test_frame_round_trip() -> None:
-    frame = wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, 7, 5, 3, 2) + b"hd" + b"abc"
-    flags, tag, sequence, total, header, payload = wire.decode_frame(frame)
-    assert (flags, tag, sequence, total, header, bytes(payload)) == (3, 7, 5, 3, b"hd", b"abc")
+    frame = wire.encode_prefix(wire.WHOLE, 7, 5, 3, 2) + b"hd" + b"abc"
+    flags, tag, sequence, total, header, payload, end = wire.decode_frame(frame)
+    assert (flags, tag, sequence, total, header, bytes(payload), end) == (3, 7, 5, 3, b"hd", b"abc", len(frame))
+
+
+def test_whole_messages_share_a_grpc_message() -> None:
+    first = wire.encode_prefix(wire.WHOLE, 7, 1, 3, 2) + b"hd" + b"abc"
+    second = wire.encode_prefix(wire.WHOLE, 8, 2, 0, 1) + b"h"
+    message = first + second
+    *decoded, end = wire.decode_frame(message)
+    assert end == len(first) and bytes(decoded[5]) == b"abc"
+    flags, tag, sequence, total, header, payload, end = wire.decode_frame(message, end)
+    assert (flags, tag, sequence, total, header, bytes(payload), end) == (3, 8, 2, 0, b"h", b"", len(message))
+    with pytest.raises(wire.FrameError, match="shorter"):
+        wire.decode_frame(first + b"x" * 5, len(first))  # trailing bytes that are no frame
 
 
 @requires_grpc
