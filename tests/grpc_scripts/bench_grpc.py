@@ -7,11 +7,13 @@ Starts its own ranks (with the COLLECTIVES_* variables on free loopback ports) a
 size, the median over iterations of rank 0's time, in the nccl-tests columns
 (algbw = bytes / time, busbw = algbw * 2(p-1)/p), and the CPU cores each rank used.
 
-``--raw`` (2 ranks) also times, in the same processes, plain gRPC streams with none of the
-transport's logic (`collectives.bench.raw_grpc`): each rank pushes the bytes a 2-rank ring moves
-per all-reduce to the other, in 1 MiB messages, while receiving as many. The all-reduce and the
-raw exchange alternate iteration by iteration, so that the machine's noise hits both alike; the
-``raw`` row's busbw is the ceiling, and the transport's row says what fraction of it it reaches.
+``--raw`` (2 ranks) also times, in the same processes, the traffic of a 2-rank all-reduce with no
+algorithm: each rank sends the other the bytes a 2-rank ring moves per all-reduce, in 1 MiB
+messages, while receiving as many; once over the transport (``exchange``: its isend and irecv) and
+once over plain gRPC streams with none of the transport's logic (``raw``,
+`collectives.bench.raw_grpc`). The three alternate iteration by iteration, so that the machine's
+noise hits them alike; ``raw``'s busbw is the ceiling, and the last column says what fraction of it
+each row reaches: ``exchange`` what the transport loses, ``allreduce`` what the algorithm adds.
 """
 
 from __future__ import annotations
@@ -23,26 +25,46 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collectives.backends.base import Transport
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 
-def worker(args: argparse.Namespace) -> None:
-    import numpy as np
+def exchange(link: Transport, data: np.ndarray, scratch: np.ndarray, peer: int) -> None:
+    """Send `data` to `peer` over the transport `link` in plain gRPC's message size (`MESSAGE_BYTES`)
+    while receiving as many bytes from it into `scratch`."""
+    from collectives.bench.raw_grpc import MESSAGE_BYTES
 
+    step = MESSAGE_BYTES // data.itemsize
+    pieces = range(0, data.size, step)
+    receives = [link.irecv(scratch[lo : lo + step], peer, 0, b"") for lo in pieces]
+    sends = [link.isend(data[lo : lo + step], peer, 0, b"") for lo in pieces]
+    for request in receives + sends:
+        request.wait(120)
+
+
+def worker(args: argparse.Namespace) -> None:
     from collectives import Communicator
     from collectives.backends.grpc import GrpcTransport
     from collectives.bench.raw_grpc import RawStreams
 
-    comm = Communicator(GrpcTransport.from_environment(), timeout=120)
+    transport = GrpcTransport.from_environment()
+    comm = Communicator(transport, timeout=120)
     raw = RawStreams(comm.rank, args.raw_addresses.split(","), timeout=120) if args.raw_addresses else None
+    link = transport.dup(1)  # tags of its own: never mixed with the communicator's
     rows = []
     for nbytes in args.sizes:
         x = np.ones(nbytes // 4, dtype=np.float32)
         out = np.empty_like(x)
-        runs = {"transport": functools.partial(comm.allreduce, x, algorithm=args.algorithm, out=out)}
+        runs = {"allreduce": functools.partial(comm.allreduce, x, algorithm=args.algorithm, out=out)}
         if raw is not None:
+            runs["exchange"] = functools.partial(exchange, link, x, np.empty_like(x), 1 - comm.rank)
             runs["raw"] = functools.partial(raw.exchange, x)
         times: dict[str, list[float]] = {name: [] for name in runs}
         cpu = dict.fromkeys(runs, 0.0)
@@ -62,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
                     "bytes": nbytes,
                     "count": x.size,
                     "median": statistics.median(times[name]),
-                    "wrong": wrong if name == "transport" else 0,
+                    "wrong": wrong if name == "allreduce" else 0,
                     "cpu": cpu[name] / sum(times[name]),
                 }
             )
@@ -119,7 +141,7 @@ def main() -> int:
     p = args.ranks
     print(f"# gRPC transport, algorithm={args.algorithm}, float32 sum, {p} ranks on 127.0.0.1")
     if args.raw:
-        print("# raw: plain gRPC streams, 1 MiB messages, alternating with the transport in the same processes")
+        print("# exchange: the same bytes sent both ways by isend/irecv, 1 MiB messages; raw: by plain gRPC streams")
     print(f"# median of {args.iters} iterations; cpu: cores the rank used while timed; of raw: busbw / raw busbw")
     print(
         f"{'':>9} {'size':>12} {'count':>10} {'type':>7} {'redop':>5} {'time(us)':>10} "
