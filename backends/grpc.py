@@ -109,14 +109,28 @@ already has its stream (INVALID_ARGUMENT / FAILED_PRECONDITION) and malformed fr
 (INVALID_ARGUMENT; nothing is allocated from a claimed size, and the stream that carried them is
 dropped). TLS is enabled by certificate files (see `_grpc_config`).
 
-Performance (2 ranks on the 2-core development VM, ring, float32 sum; see
-``tests/grpc_scripts/bench_grpc.py``): 0.6-0.7 GB/s busbw at 16 MiB, 0.7-0.8 at 64 MiB, about
-1.2 ms for 4 KiB. Both processes are CPU-bound (about 0.8 core each): grpcio 1.85's Python layer
-copies every message twice on the way out (our frame, then gRPC's slice) and three times on the
-way in (slices to bytes, to a bytearray, to bytes), and each frame costs several thread hand-offs
-(request iterator, channel spin thread, server poller, handler). None of that is reachable
-through grpcio's public API: plain gRPC streams exchanging the same bytes with none of this
-module's logic (``bench_grpc.py --raw``) measure the same at 16 MiB and about 20% more at 64 MiB.
+Performance (2 ranks on the 2-core development VM, shared with other jobs: load average 6-12;
+ring, float32 sum). ``tests/grpc_scripts/bench_grpc.py --raw`` times in the same processes,
+alternating iteration by iteration, the all-reduce, the same bytes sent both ways by this
+transport's isend/irecv (``exchange``) and by plain gRPC streams with none of this module's logic
+(``raw``); medians of 5 launches of 20 iterations. At 16 and 64 MiB the all-reduce reaches
+0.25-0.3 GB/s busbw, 0.6-0.7 of plain gRPC's 0.34-0.42 GB/s in the same runs, and the exchange
+0.8-0.9 of it: the rest of the gap is the algorithm's (4 MiB blocks, each a reduce-scatter and then
+an all-gather, and the reduction). What the transport adds is the copy of gRPC's bytes into the
+receive buffer, and smaller receive windows: plain gRPC widens them by BDP probing, which this
+module turns off (see Security; turning it on measured within noise). A 4 KiB all-reduce takes
+about 2.1 ms (2.5 ms before small messages shared gRPC messages: 0.85x, medians of 9 launches
+each); it is two dependent exchanges plus the header agreement's message, and one plain-gRPC
+exchange of 4 KiB takes 0.6-0.9 ms in the same runs (the all-reduce: 0.4 of it). Both processes
+are CPU-bound, in grpcio 1.85's Python layer: it copies every message twice on the way out (our
+frame, then gRPC's slice) and three times on the way in, and each gRPC message costs several thread
+hand-offs (request iterator, channel spin thread, server poller, handler), 150-200 us of CPU per
+message sent and received against about 20 us for this module's framing, matching and accounting.
+None of that is reachable through grpcio's public API: ``grpc.aio`` driven from the caller's thread
+measured slower per round trip than the threaded API (the hop onto its event loop costs what it
+saves), and server-streaming calls read by the receiver itself (``SingleThreadedUnaryStream``)
+within noise of these client streams. A rank that waits for a peer arriving 2 s late uses about
+0.005 CPU-seconds per second: every thread here blocks while there is nothing to do.
 """
 
 from __future__ import annotations
@@ -372,8 +386,9 @@ def _tls_handshake_failure(host: str, port: int, tls: wire.TlsFiles) -> str | No
 
 
 def _held_bytes(data: memoryview) -> int:
-    """What keeping the frame `data` is a view of costs: the whole frame (prefix and header
-    included) plus its Python objects."""
+    """What keeping the payload view `data` costs: the whole object it views (the gRPC message of
+    a frame that came alone, prefix and header included; the own copy of one that shared its
+    message, see `_on_message`) plus its Python objects."""
     return memoryview(data.obj).nbytes + FRAME_OVERHEAD_BYTES
 
 

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from collectives.backends.base import Transport
 
 HERE = Path(__file__).resolve().parent
@@ -62,14 +64,16 @@ def worker(args: argparse.Namespace) -> None:
     for nbytes in args.sizes:
         x = np.ones(nbytes // 4, dtype=np.float32)
         out = np.empty_like(x)
-        runs = {"allreduce": functools.partial(comm.allreduce, x, algorithm=args.algorithm, out=out)}
+        runs: dict[str, Callable[[], object]] = {
+            "allreduce": functools.partial(comm.allreduce, x, algorithm=args.algorithm, out=out)
+        }
         if raw is not None:
             runs["exchange"] = functools.partial(exchange, link, x, np.empty_like(x), 1 - comm.rank)
             runs["raw"] = functools.partial(raw.exchange, x)
         times: dict[str, list[float]] = {name: [] for name in runs}
         cpu = dict.fromkeys(runs, 0.0)
         for iteration in range(args.warmup + args.iters):
-            for name, run in runs.items():  # alternating, so that noise hits both alike
+            for name, run in runs.items():  # alternating, so that noise hits them alike
                 comm.barrier()
                 start, cpu_start = time.perf_counter(), time.process_time()
                 run()
