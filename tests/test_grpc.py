@@ -685,6 +685,60 @@ def test_backpressure_keeps_order_and_data(world: list[Any]) -> None:
 
 
 @requires_grpc
+def test_small_sends_queued_together_share_a_grpc_message(world: list[Any]) -> None:
+    """Whole small messages queued at once travel in one gRPC message, in order, and complete once
+    copied; a message cut into frames travels one frame per gRPC message after them."""
+    import queue
+
+    from collectives.backends.grpc import _Request
+
+    a, _ = world
+    small = [np.full(n, index, np.uint8) for index, n in enumerate([10, 0, 500])]
+    large = np.arange(a._chunk_bytes + 8, dtype=np.uint8)
+    sends = [_Request("send", 0, 1, 3, data, H) for data in [*small, large]]
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    for request in [*sends, None]:
+        outbox.put(request)
+    messages = list(a._messages(1, outbox))
+    assert len(messages) == 3
+    offset, decoded = 0, []
+    while offset < len(messages[0]):
+        flags, tag, sequence, total, header, payload, offset = wire.decode_frame(messages[0], offset)
+        decoded.append((flags, tag, sequence, header, bytes(payload)))
+    assert decoded == [(wire.WHOLE, 3, index + 1, H, data.tobytes()) for index, data in enumerate(small)]
+    first, last = (wire.decode_frame(message) for message in messages[1:])
+    assert (first[0], first[2], first[4], last[0], last[2]) == (wire.FLAG_FIRST, 4, H, wire.FLAG_LAST, 4)
+    assert bytes(first[5]) + bytes(last[5]) == large.tobytes()
+    assert all(request.test() for request in sends)
+
+
+@requires_grpc
+def test_held_messages_that_shared_a_grpc_message_count_their_own_bytes(world: list[Any]) -> None:
+    """Small messages held for receives not yet posted, batched or not, count at most their frame,
+    header and bookkeeping each, nothing of the messages they travelled with, and nothing once taken."""
+    from collectives.backends.grpc import FRAME_OVERHEAD_BYTES, MESSAGE_OVERHEAD_BYTES
+
+    a, b = world
+    messages = [np.full(index % 7 * 40, index, np.uint8) for index in range(200)]
+    sends = [a.isend(data, 1, 10 + index % 4, H) for index, data in enumerate(messages)]
+    marker = np.zeros(1, np.uint8)
+    sends.append(a.isend(np.ones(1, np.uint8), 1, 99, H))
+    b.irecv(marker, 0, 99, H).wait(10)  # behind every other message on the stream: all are held now
+    most = sum(
+        wire.PREFIX.size + 2 * len(H) + data.nbytes + FRAME_OVERHEAD_BYTES + MESSAGE_OVERHEAD_BYTES for data in messages
+    )
+    assert 0 < b._unmatched_bytes[0] <= most
+    for tag in reversed(range(10, 14)):
+        for index in range(tag - 10, len(messages), 4):
+            out = np.empty_like(messages[index])
+            b.irecv(out, 0, tag, H).wait(10)
+            np.testing.assert_array_equal(out, messages[index])
+    for request in sends:
+        request.wait(10)
+    assert b._unmatched_bytes[0] == 0
+
+
+@requires_grpc
 @pytest.mark.parametrize("world", [{"size": 2, "options": {"chunk_bytes": 256}}], indirect=True)
 @pytest.mark.parametrize("ending", ["abort", "close"])
 def test_receive_taking_an_arriving_message_fails_when_its_transport_ends(world: list[Any], ending: str) -> None:
