@@ -280,11 +280,14 @@ def node_name(address: str) -> str:
 # -- wire format ------------------------------------------------------------------------------------
 
 FRAME_MAGIC = b"CF"
-FRAME_VERSION = 2
+FRAME_VERSION = 3
 FLAG_FIRST = 1
 """The frame starts a message: it carries the header and the total payload size."""
 FLAG_LAST = 2
 """The frame ends a message."""
+WHOLE = FLAG_FIRST | FLAG_LAST
+"""The frame is a whole message: it carries exactly `total` payload bytes, and another frame may
+follow it in the same gRPC message (small messages queued together travel together)."""
 PREFIX = struct.Struct("<2sBBqQQI")
 """magic, version, flags, tag, sequence number of the message on its stream (0, 1, 2, ...), total
 payload bytes of the message, header bytes in this frame."""
@@ -303,17 +306,21 @@ def encode_prefix(flags: int, tag: int, sequence: int, total: int, header_len: i
     return PREFIX.pack(FRAME_MAGIC, FRAME_VERSION, flags, tag, sequence, total, header_len)
 
 
-def decode_frame(frame: bytes) -> tuple[int, int, int, int, bytes, memoryview]:
-    """(flags, tag, sequence, total, header, payload view) of one frame; FrameError if malformed.
+def decode_frame(message: bytes, offset: int = 0) -> tuple[int, int, int, int, bytes, memoryview, int]:
+    """(flags, tag, sequence, total, header, payload view, end) of the frame that starts at `offset`
+    of a gRPC message; FrameError if malformed.
 
-    A plain tuple: this runs once per frame on the receive path."""
-    if not isinstance(frame, bytes) or len(frame) < PREFIX.size:
-        length = len(frame) if isinstance(frame, bytes) else "?"
+    A gRPC message carries one frame, or several frames that are each a whole message (`WHOLE`);
+    `end` is where the next one starts (``len(message)`` after the last). A frame that is part of
+    a longer message runs to the end of its gRPC message. A plain tuple: this runs once per frame
+    on the receive path."""
+    if not isinstance(message, bytes) or len(message) - offset < PREFIX.size:
+        length = len(message) - offset if isinstance(message, bytes) else "?"
         raise FrameError(f"frame of {length} bytes is shorter than its {PREFIX.size}-byte prefix")
-    magic, version, flags, tag, sequence, total, header_len = PREFIX.unpack_from(frame)
+    magic, version, flags, tag, sequence, total, header_len = PREFIX.unpack_from(message, offset)
     if magic != FRAME_MAGIC or version != FRAME_VERSION:
         raise FrameError(f"bad frame magic/version {magic!r}/{version}")
-    if flags & ~(FLAG_FIRST | FLAG_LAST):
+    if flags & ~WHOLE:
         raise FrameError(f"unknown frame flags {flags:#x}")
     if not 0 <= tag < MAX_TAG:
         raise FrameError(f"tag {tag} out of range")
@@ -321,13 +328,19 @@ def decode_frame(frame: bytes) -> tuple[int, int, int, int, bytes, memoryview]:
         raise FrameError(f"message size {total} exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     if header_len > MAX_HEADER_BYTES or (header_len and not flags & FLAG_FIRST):
         raise FrameError(f"bad header length {header_len}")
-    end = PREFIX.size + header_len
-    if end > len(frame):
-        raise FrameError(f"header of {header_len} bytes runs past the {len(frame)}-byte frame")
-    view = memoryview(frame)
-    if len(frame) - end > total:
-        raise FrameError(f"frame carries {len(frame) - end} payload bytes, more than the message's {total}")
-    return flags, tag, sequence, total, bytes(view[PREFIX.size : end]), view[end:]
+    start = offset + PREFIX.size + header_len
+    if start > len(message):
+        raise FrameError(f"header of {header_len} bytes runs past the {len(message) - offset}-byte frame")
+    if flags == WHOLE:
+        end = start + total
+        if end > len(message):
+            raise FrameError(f"single-frame message carries {len(message) - start} of its {total} bytes")
+    else:
+        end = len(message)
+        if end - start > total:
+            raise FrameError(f"frame carries {end - start} payload bytes, more than the message's {total}")
+    view = memoryview(message)
+    return flags, tag, sequence, total, bytes(view[offset + PREFIX.size : start]), view[start:end], end
 
 
 # -- authentication ---------------------------------------------------------------------------------

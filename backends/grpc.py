@@ -3,19 +3,24 @@
 Each rank opens, to every peer, one long-lived client-streaming call (``Stream``) and pushes its
 messages down it; the peer's server reads them in order. No protobuf: methods are registered with
 generic handlers whose (de)serializers are the identity on bytes. The wire format
-(`_grpc_config.decode_frame`) is one gRPC message per *frame*::
+(`_grpc_config.decode_frame`) is made of *frames*::
 
     prefix (32 bytes: magic, version, flags, tag, sequence number, total size, header length) | header | payload
 
 A message of n bytes is cut into frames of at most `chunk_bytes` of payload (1 MiB by default);
-the first carries the collective's header and n. Frames are built straight from the caller's
-numpy buffer (one copy, into the ``bytes`` object gRPC insists on), lazily, by the stream's
-request iterator, so a queued send costs no memory.
+the first carries the collective's header and n. A frame that is part of a longer message travels
+alone in its gRPC message; messages that fit in one frame and are queued together share one, up to
+`BATCH_BYTES` (64 KiB), because each gRPC message costs grpcio's Python layer several thread
+hand-offs, far more than a few KiB of bytes: a collective typically queues its header agreement's
+message and its first segment at once. Frames are built straight from the caller's numpy buffer
+(one copy, into the ``bytes`` object gRPC insists on), lazily, by the stream's request iterator, so
+a queued send costs no memory.
 
 Ordering and matching. One stream per (sender, receiver) pair gives MPI's non-overtaking order
 for free. The receiver matches each arriving message to the oldest receive posted for its
 (source, tag) (`matching.Matcher`); if there is none, the message is kept (as the frames gRPC
-delivered, no copy) until one is posted. A matched message is copied into the receive buffer.
+delivered, no copy; a frame that shared its gRPC message as a copy of its own payload) until one is
+posted. A matched message is copied into the receive buffer.
 (`irecv_reduce`, which hands the message to the reduction straight from gRPC's bytes on the server
 thread, is implemented, but `fuses_receive_reduce` stays False: alternating both in one run
 measured no difference.) Headers are compared (`matching.check`) at match time, or for a receive
@@ -25,13 +30,13 @@ through the receiver's abort).
 
 Backpressure. Data kept for one source for receives not yet posted is bounded
 (`max_unmatched_bytes`, 256 MiB by default), counting every byte it holds: whole frames (prefix and
-header included), the header copy compared at match time and the Python objects of each frame and
-message. Beyond it the server stops reading that source's stream, HTTP/2 flow control stalls the
-sender, and its sends simply stay queued. A message that could never fit (its claimed size alone is
-over the limit) with no receive waiting for it is refused at once, naming the sender; the library's
-algorithms send segments far below the limit. Head-of-line blocking is the price: a receive that
-waits for a message queued *behind* more than that much unmatched data from the same source waits
-until the collective's deadline.
+header included; the payload copy of a frame that shared its gRPC message), the header copy compared
+at match time and the Python objects of each frame and message. Beyond it the server stops reading
+that source's stream, HTTP/2 flow control stalls the sender, and its sends simply stay queued. A
+message that could never fit (its claimed size alone is over the limit) with no receive waiting
+for it is refused at once, naming the sender; the library's algorithms send segments far below
+the limit. Head-of-line blocking is the price: a receive that waits for a message queued *behind*
+more than that much unmatched data from the same source waits until the collective's deadline.
 
 Send completion. A send completes once its last frame has been copied out of the caller's
 buffer (MPI's "buffer reusable" semantics); `close` then flushes the stream before returning.
@@ -104,14 +109,28 @@ already has its stream (INVALID_ARGUMENT / FAILED_PRECONDITION) and malformed fr
 (INVALID_ARGUMENT; nothing is allocated from a claimed size, and the stream that carried them is
 dropped). TLS is enabled by certificate files (see `_grpc_config`).
 
-Performance (2 ranks on the 2-core development VM, ring, float32 sum; see
-``tests/grpc_scripts/bench_grpc.py``): 0.6-0.7 GB/s busbw at 16 MiB, 0.7-0.8 at 64 MiB, about
-1.2 ms for 4 KiB. Both processes are CPU-bound (about 0.8 core each): grpcio 1.85's Python layer
-copies every message twice on the way out (our frame, then gRPC's slice) and three times on the
-way in (slices to bytes, to a bytearray, to bytes), and each frame costs several thread hand-offs
-(request iterator, channel spin thread, server poller, handler). None of that is reachable
-through grpcio's public API: plain gRPC streams exchanging the same bytes with none of this
-module's logic (``bench_grpc.py --raw``) measure the same at 16 MiB and about 20% more at 64 MiB.
+Performance (2 ranks on the 2-core development VM, shared with other jobs: load average 6-12;
+ring, float32 sum). ``tests/grpc_scripts/bench_grpc.py --raw`` times in the same processes,
+alternating iteration by iteration, the all-reduce, the same bytes sent both ways by this
+transport's isend/irecv (``exchange``) and by plain gRPC streams with none of this module's logic
+(``raw``); medians of 5 launches of 20 iterations. At 16 and 64 MiB the all-reduce reaches
+0.25-0.3 GB/s busbw, 0.6-0.7 of plain gRPC's 0.34-0.42 GB/s in the same runs, and the exchange
+0.8-0.9 of it: the rest of the gap is the algorithm's (4 MiB blocks, each a reduce-scatter and then
+an all-gather, and the reduction). What the transport adds is the copy of gRPC's bytes into the
+receive buffer, and smaller receive windows: plain gRPC widens them by BDP probing, which this
+module turns off (see Security; turning it on measured within noise). A 4 KiB all-reduce takes
+about 2.1 ms (2.5 ms before small messages shared gRPC messages: 0.85x, medians of 9 launches
+each); it is two dependent exchanges plus the header agreement's message, and one plain-gRPC
+exchange of 4 KiB takes 0.6-0.9 ms in the same runs (the all-reduce: 0.4 of it). Both processes
+are CPU-bound, in grpcio 1.85's Python layer: it copies every message twice on the way out (our
+frame, then gRPC's slice) and three times on the way in, and each gRPC message costs several thread
+hand-offs (request iterator, channel spin thread, server poller, handler), 150-200 us of CPU per
+message sent and received against about 20 us for this module's framing, matching and accounting.
+None of that is reachable through grpcio's public API: ``grpc.aio`` driven from the caller's thread
+measured slower per round trip than the threaded API (the hop onto its event loop costs what it
+saves), and server-streaming calls read by the receiver itself (``SingleThreadedUnaryStream``)
+within noise of these client streams. A rank that waits for a peer arriving 2 s late uses about
+0.005 CPU-seconds per second: every thread here blocks while there is nothing to do.
 """
 
 from __future__ import annotations
@@ -168,6 +187,8 @@ PROOF_METADATA_KEY = "x-collectives-proof-bin"
 COUNTER_METADATA_KEY = "x-collectives-counter"
 NOTICE_METADATA_KEY = "x-collectives-notice-bin"
 
+BATCH_BYTES = 64 * 1024
+"""Whole messages queued together for one peer share a gRPC message up to this size (`_messages`)."""
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 """Payload bytes per frame: the algorithms' default segment, so a segment travels as one frame.
 (512 KiB and 4 MiB measured within noise of it on 2 loopback ranks; 64 KiB was 3x slower.)"""
@@ -310,12 +331,19 @@ class _Landing:
         return None if self.incoming is None else self.incoming.recv
 
 
-def _frame(head: bytes, data: np.ndarray) -> bytes:
-    """`head + data` as one new bytes object (the type gRPC requires): the one copy of a send.
+def _join(frames: list[bytes | memoryview], sends: list[_Request]) -> bytes:
+    """One gRPC message of the whole messages `frames` (prefixes, headers and payloads, in order):
+    one new bytes object (the type gRPC requires), the one copy of a send, after which `sends`
+    complete. Empties both lists for the next message.
 
     (Filling a fresh bytes object with a GIL-releasing memmove instead measured no faster.)
     """
-    return b"".join((head, data.data))
+    message = b"".join(frames)
+    for send in sends:
+        send._finish()
+    frames.clear()
+    sends.clear()
+    return message
 
 
 def _tls_handshake_failure(host: str, port: int, tls: wire.TlsFiles) -> str | None:
@@ -358,8 +386,9 @@ def _tls_handshake_failure(host: str, port: int, tls: wire.TlsFiles) -> str | No
 
 
 def _held_bytes(data: memoryview) -> int:
-    """What keeping the frame `data` is a view of costs: the whole frame (prefix and header
-    included) plus its Python objects."""
+    """What keeping the payload view `data` costs: the whole object it views (the gRPC message of
+    a frame that came alone, prefix and header included; the own copy of one that shared its
+    message, see `_on_message`) plus its Python objects."""
     return memoryview(data.obj).nbytes + FRAME_OVERHEAD_BYTES
 
 
@@ -792,7 +821,7 @@ class GrpcTransport(Transport):
         )
         # Not wait_for_ready: the peer just answered, and if it died since, the call must fail
         # (marking it lost) rather than wait for it forever.
-        call = stream.future(self._frames(peer, outbox), metadata=metadata, wait_for_ready=False)
+        call = stream.future(self._messages(peer, outbox), metadata=metadata, wait_for_ready=False)
         self._stream_calls[peer] = call
         call.add_done_callback(lambda done, peer=peer: self._stream_ended(peer, done))
 
@@ -820,13 +849,26 @@ class GrpcTransport(Transport):
             self._fail_queue(outbox, self._lost[dst])
         return request
 
-    def _frames(self, peer: int, outbox: queue.SimpleQueue) -> Iterator[bytes]:
-        """The request iterator of the stream to `peer`: frames of each queued send, in order."""
+    def _messages(self, peer: int, outbox: queue.SimpleQueue) -> Iterator[bytes]:
+        """The request iterator of the stream to `peer`: the frames of each queued send, in order.
+
+        A message larger than `chunk_bytes` travels as several frames, one gRPC message each. Whole
+        small messages queued together share one gRPC message (up to `BATCH_BYTES`): gRPC's own cost
+        per message is far above that of a few KiB, and a collective often queues two at once (its
+        header agreement's and its first segment)."""
         chunk = self._chunk_bytes
         sequence = 0  # numbers the messages on this stream, so that the peer can refuse replays
+        batch: list[bytes | memoryview] = []  # the frames of the gRPC message being gathered
+        batched: list[_Request] = []  # the sends whose frames are in it: complete once it is copied
+        batch_bytes = 0
         while True:
+            if batch and outbox.empty():  # nothing more to gather
+                yield _join(batch, batched)
+                batch_bytes = 0
             request = outbox.get()
             if request is None:
+                if batch:
+                    yield _join(batch, batched)
                 return
             if request.finished:  # failed by a lost peer while queued
                 continue
@@ -842,17 +884,24 @@ class GrpcTransport(Transport):
             total = data.nbytes
             sequence += 1
             if total <= chunk:
-                flags = wire.FLAG_FIRST | wire.FLAG_LAST
-                frame = _frame(wire.encode_prefix(flags, request.tag, sequence, total, len(header)) + header, data)
-                request._finish()
-                yield frame
+                head = wire.encode_prefix(wire.WHOLE, request.tag, sequence, total, len(header)) + header
+                size = len(head) + total
+                if batch and batch_bytes + size > BATCH_BYTES:
+                    yield _join(batch, batched)
+                    batch_bytes = 0
+                batch += (head, data.data)
+                batched.append(request)
+                batch_bytes += size
                 continue
+            if batch:  # in order: what was gathered goes first
+                yield _join(batch, batched)
+                batch_bytes = 0
             for start in range(0, total, chunk):
                 stop = min(start + chunk, total)
                 flags = (wire.FLAG_FIRST if start == 0 else 0) | (wire.FLAG_LAST if stop == total else 0)
                 first_header = header if start == 0 else b""
                 prefix = wire.encode_prefix(flags, request.tag, sequence, total, len(first_header))
-                frame = _frame(prefix + first_header, data[start:stop])
+                frame = b"".join((prefix, first_header, data[start:stop].data))  # the one copy of a send
                 if stop == total:
                     request._finish()
                 yield frame
@@ -965,9 +1014,26 @@ class GrpcTransport(Transport):
                 return
         self._deliver(recv, header, total, data)
 
-    def _on_frame(self, src: int, frame: bytes) -> None:
-        """Handle one frame of the stream from `src` (raises FrameError if it is malformed)."""
-        flags, tag, sequence, total, header, data = wire.decode_frame(frame)
+    def _on_message(self, src: int, message: bytes) -> None:
+        """Handle one gRPC message of the stream from `src`: one frame, or several whole messages
+        (raises FrameError if it is malformed).
+
+        A frame that shares its gRPC message is held, if it must be, as a copy of its own payload,
+        so that every held frame counts exactly the bytes it keeps alive (`_held_bytes`)."""
+        offset, length = 0, len(message)
+        while True:
+            flags, tag, sequence, total, header, data, end = wire.decode_frame(message, offset)
+            if offset or end < length:
+                data = memoryview(bytes(data))
+            self._on_frame(src, flags, tag, sequence, total, header, data)
+            if end == length:
+                return
+            offset = end
+
+    def _on_frame(
+        self, src: int, flags: int, tag: int, sequence: int, total: int, header: bytes, data: memoryview
+    ) -> None:
+        """Handle one (decoded) frame of the stream from `src` (raises FrameError if it is malformed)."""
         landing = self._landing.get(src)
         if flags & wire.FLAG_FIRST:
             if landing is not None:
@@ -976,8 +1042,6 @@ class GrpcTransport(Transport):
             if sequence != due:
                 raise wire.FrameError(f"message number {sequence} where {due} was due (replayed or reordered)")
             self._last_sequence[src] = sequence
-            if flags & wire.FLAG_LAST and len(data) != total:
-                raise wire.FrameError(f"single-frame message carries {len(data)} of its {total} bytes")
             self._make_room(src, tag, total, header, data)
             if flags & wire.FLAG_LAST:
                 self._arrive_whole(src, tag, header, total, data)
@@ -1255,14 +1319,14 @@ class GrpcTransport(Transport):
         self._aborted(communicator, (origin, kind, text[:MAX_ABORT_TEXT]), since, skip={origin, src})
         return b""
 
-    def _serve_stream(self, frames: Iterator[bytes], context: Any) -> bytes:
+    def _serve_stream(self, messages: Iterator[bytes], context: Any) -> bytes:
         grpc = self._grpc
         src = int(dict(context.invocation_metadata())[RANK_METADATA_KEY])  # authenticated by the gate
         clean = False
         reason = "is unreachable (its stream to this rank broke)"
         try:
-            for frame in frames:
-                self._on_frame(src, frame)
+            for message in messages:
+                self._on_message(src, message)
             clean = True
             return b""
         except wire.FrameError as error:
@@ -1371,7 +1435,7 @@ class GrpcTransport(Transport):
             self._broadcast_abort(context, notice, since, skip)
         for request in victims:
             request._finish(error_from_abort(*notice, rank=self.rank))
-        # Queued sends it reaches fail as the stream comes to them (`_frames`).
+        # Queued sends it reaches fail as the stream comes to them (`_messages`).
 
     def _withdraw(self, reached: Callable[[int], bool]) -> list[_Request]:
         """Forget the waiting receives and held messages on the wire tags `reached` picks, and

@@ -172,17 +172,22 @@ def test_tls_needs_certificate_and_key(tmp_path: Path) -> None:
     assert config.tls is not None and config.tls.ca is None
 
 
+def _prefix(flags: int, tag: int, total: int, header_len: int) -> bytes:
+    return wire.PREFIX.pack(wire.FRAME_MAGIC, wire.FRAME_VERSION, flags, tag, 1, total, header_len)
+
+
 @pytest.mark.parametrize(
     "frame, words",
     [
         (b"", "shorter"),
         (b"\x00" * 100, "magic"),
-        (wire.PREFIX.pack(b"CF", 2, 8, 0, 1, 0, 0), "flags"),
-        (wire.PREFIX.pack(b"CF", 2, 3, 0, 1, 1 << 50, 0), "limit"),
-        (wire.PREFIX.pack(b"CF", 2, 3, 0, 1, 10, 500) + b"x" * 10, "runs past"),
-        (wire.PREFIX.pack(b"CF", 2, 2, 0, 1, 10, 4) + b"x" * 10, "header length"),
-        (wire.PREFIX.pack(b"CF", 2, 3, 0, 1, 2, 0) + b"x" * 10, "more than"),
-        (wire.PREFIX.pack(b"CF", 2, 3, -5, 1, 2, 0), "tag"),
+        (_prefix(8, 0, 0, 0), "flags"),
+        (_prefix(3, 0, 1 << 50, 0), "limit"),
+        (_prefix(3, 0, 10, 500) + b"x" * 10, "runs past"),
+        (_prefix(2, 0, 10, 4) + b"x" * 10, "header length"),
+        (_prefix(1, 0, 2, 0) + b"x" * 10, "more than"),
+        (_prefix(3, 0, 20, 0) + b"x" * 10, "carries 10 of its 20"),
+        (_prefix(3, -5, 2, 0), "tag"),
     ],
 )
 def test_malformed_frames_are_rejected_by_the_parser(frame: bytes, words: str) -> None:
@@ -191,9 +196,21 @@ def test_malformed_frames_are_rejected_by_the_parser(frame: bytes, words: str) -
 
 
 def test_frame_round_trip() -> None:
-    frame = wire.encode_prefix(wire.FLAG_FIRST | wire.FLAG_LAST, 7, 5, 3, 2) + b"hd" + b"abc"
-    flags, tag, sequence, total, header, payload = wire.decode_frame(frame)
-    assert (flags, tag, sequence, total, header, bytes(payload)) == (3, 7, 5, 3, b"hd", b"abc")
+    frame = wire.encode_prefix(wire.WHOLE, 7, 5, 3, 2) + b"hd" + b"abc"
+    flags, tag, sequence, total, header, payload, end = wire.decode_frame(frame)
+    assert (flags, tag, sequence, total, header, bytes(payload), end) == (3, 7, 5, 3, b"hd", b"abc", len(frame))
+
+
+def test_whole_messages_share_a_grpc_message() -> None:
+    first = wire.encode_prefix(wire.WHOLE, 7, 1, 3, 2) + b"hd" + b"abc"
+    second = wire.encode_prefix(wire.WHOLE, 8, 2, 0, 1) + b"h"
+    message = first + second
+    *decoded, end = wire.decode_frame(message)
+    assert end == len(first) and bytes(decoded[5]) == b"abc"
+    flags, tag, sequence, total, header, payload, end = wire.decode_frame(message, end)
+    assert (flags, tag, sequence, total, header, bytes(payload), end) == (3, 8, 2, 0, b"h", b"", len(message))
+    with pytest.raises(wire.FrameError, match="shorter"):
+        wire.decode_frame(first + b"x" * 5, len(first))  # trailing bytes that are no frame
 
 
 @requires_grpc
@@ -672,6 +689,60 @@ def test_backpressure_keeps_order_and_data(world: list[Any]) -> None:
         request.wait(10)
     assert [int(out[0]) for out in outs] == list(range(10))
     assert all(np.all(out == out[0]) for out in outs)
+
+
+@requires_grpc
+def test_small_sends_queued_together_share_a_grpc_message(world: list[Any]) -> None:
+    """Whole small messages queued at once travel in one gRPC message, in order, and complete once
+    copied; a message cut into frames travels one frame per gRPC message after them."""
+    import queue
+
+    from collectives.backends.grpc import _Request
+
+    a, _ = world
+    small = [np.full(n, index, np.uint8) for index, n in enumerate([10, 0, 500])]
+    large = np.arange(a._chunk_bytes + 8, dtype=np.uint8)
+    sends = [_Request("send", 0, 1, 3, data, H) for data in [*small, large]]
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    for request in [*sends, None]:
+        outbox.put(request)
+    messages = list(a._messages(1, outbox))
+    assert len(messages) == 3
+    offset, decoded = 0, []
+    while offset < len(messages[0]):
+        flags, tag, sequence, total, header, payload, offset = wire.decode_frame(messages[0], offset)
+        decoded.append((flags, tag, sequence, header, bytes(payload)))
+    assert decoded == [(wire.WHOLE, 3, index + 1, H, data.tobytes()) for index, data in enumerate(small)]
+    first, last = (wire.decode_frame(message) for message in messages[1:])
+    assert (first[0], first[2], first[4], last[0], last[2]) == (wire.FLAG_FIRST, 4, H, wire.FLAG_LAST, 4)
+    assert bytes(first[5]) + bytes(last[5]) == large.tobytes()
+    assert all(request.test() for request in sends)
+
+
+@requires_grpc
+def test_held_messages_that_shared_a_grpc_message_count_their_own_bytes(world: list[Any]) -> None:
+    """Small messages held for receives not yet posted, batched or not, count at most their frame,
+    header and bookkeeping each, nothing of the messages they travelled with, and nothing once taken."""
+    from collectives.backends.grpc import FRAME_OVERHEAD_BYTES, MESSAGE_OVERHEAD_BYTES
+
+    a, b = world
+    messages = [np.full(index % 7 * 40, index, np.uint8) for index in range(200)]
+    sends = [a.isend(data, 1, 10 + index % 4, H) for index, data in enumerate(messages)]
+    marker = np.zeros(1, np.uint8)
+    sends.append(a.isend(np.ones(1, np.uint8), 1, 99, H))
+    b.irecv(marker, 0, 99, H).wait(10)  # behind every other message on the stream: all are held now
+    most = sum(
+        wire.PREFIX.size + 2 * len(H) + data.nbytes + FRAME_OVERHEAD_BYTES + MESSAGE_OVERHEAD_BYTES for data in messages
+    )
+    assert 0 < b._unmatched_bytes[0] <= most
+    for tag in reversed(range(10, 14)):
+        for index in range(tag - 10, len(messages), 4):
+            out = np.empty_like(messages[index])
+            b.irecv(out, 0, tag, H).wait(10)
+            np.testing.assert_array_equal(out, messages[index])
+    for request in sends:
+        request.wait(10)
+    assert b._unmatched_bytes[0] == 0
 
 
 @requires_grpc

@@ -1,0 +1,111 @@
+"""Plain gRPC streams between two processes: what grpcio itself achieves, to compare the gRPC
+transport with (``tests/grpc_scripts/bench_grpc.py --raw`` times both in the same processes).
+
+Each of the two ranks serves one client-streaming method and opens one stream to the other, as
+the transport does, and an exchange pushes n bytes down it in messages of at most 1 MiB (each built
+from the caller's buffer with one copy, like the transport's frames) while receiving n bytes from
+the peer: what a 2-rank ring all-reduce moves per rank. None of the transport's logic runs: no
+handshake, matching, headers, sequence numbers or byte accounting, and grpcio's default options
+(receive windows grow with BDP probing, which the transport turns off for its security).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import numpy as np
+
+MESSAGE_BYTES = 1 << 20
+"""Payload per gRPC message: the transport's default frame."""
+
+_METHOD = "/raw.Streams/Push"
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class RawStreams:
+    """One rank's end of a pair of plain gRPC streams (rank 0 and rank 1 of `addresses`).
+
+    Args:
+        rank: 0 or 1.
+        addresses: "host:port" of both ranks (ports of their own, not the transport's).
+        timeout: seconds to wait for the peer's server, and for an exchange.
+
+    Raises:
+        ValueError: not two addresses or a rank outside 0..1.
+        TimeoutError: the peer did not answer within `timeout`.
+    """
+
+    def __init__(self, rank: int, addresses: list[str] | tuple[str, ...], *, timeout: float = 60.0) -> None:
+        import grpc
+
+        if len(addresses) != 2 or rank not in (0, 1):
+            raise ValueError(f"plain streams join two ranks (0 and 1), got rank {rank} of {list(addresses)}")
+        self.rank = rank
+        self._timeout = timeout
+        self._arrived = 0
+        self._progress = threading.Condition()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        limits = [
+            ("grpc.max_send_message_length", 2 * MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", 2 * MESSAGE_BYTES),
+        ]
+        handler = grpc.method_handlers_generic_handler(
+            "raw.Streams", {"Push": grpc.stream_unary_rpc_method_handler(self._serve, _identity, _identity)}
+        )
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler], options=limits)
+        if not self._server.add_insecure_port(addresses[rank]):
+            raise OSError(f"cannot listen on {addresses[rank]}")
+        self._server.start()
+        self._channel = grpc.insecure_channel(addresses[1 - rank], options=limits)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            self.close()
+            raise TimeoutError(
+                f"rank {rank}: the peer at {addresses[1 - rank]} did not answer in {timeout:g} s"
+            ) from None
+        push = self._channel.stream_unary(_METHOD, request_serializer=_identity, response_deserializer=_identity)
+        self._call: Any = push.future(iter(self._outbox.get, None))
+
+    def _serve(self, messages: Iterator[bytes], context: Any) -> bytes:
+        for message in messages:
+            with self._progress:
+                self._arrived += len(message)
+                self._progress.notify()
+        return b""
+
+    def exchange(self, data: np.ndarray) -> None:
+        """Send `data`'s bytes to the peer while receiving as many from it; return once both are done
+        (sent: handed to gRPC; received: every byte read from the peer's stream).
+
+        Raises:
+            TimeoutError: the peer's bytes did not all arrive within the timeout.
+        """
+        payload = data.view(np.uint8)
+        for start in range(0, payload.nbytes, MESSAGE_BYTES):
+            self._outbox.put(payload[start : start + MESSAGE_BYTES].tobytes())
+        with self._progress:
+            if not self._progress.wait_for(lambda: self._arrived >= payload.nbytes, self._timeout):
+                raise TimeoutError(
+                    f"rank {self.rank}: {self._arrived} of {payload.nbytes} bytes came from the peer "
+                    f"within {self._timeout:g} s"
+                )
+            self._arrived -= payload.nbytes
+
+    def close(self) -> None:
+        """End this rank's stream (after what is queued) and stop serving."""
+        self._outbox.put(None)
+        if hasattr(self, "_call"):
+            try:
+                self._call.result(timeout=self._timeout)
+            except Exception:  # noqa: BLE001 - the peer's server may have stopped first
+                pass
+        self._channel.close()
+        self._server.stop(grace=1.0).wait(self._timeout)
