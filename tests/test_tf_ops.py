@@ -181,9 +181,8 @@ def test_joined_ranks_answer_tape_steps(batches: tuple[int, ...], between: bool)
 
 
 def _recording_calls(comm: collectives.Communicator, calls: list[str]) -> None:
-    """Make `comm` append the name of every collective it starts to `calls` (the blocking calls go
-    through the asynchronous ones)."""
-    for name in ("allreduce_async", "allgather_async", "broadcast_async"):
+    """Make `comm` append the name of every collective it starts to `calls`, blocking or async."""
+    for name in ("allreduce", "allgather", "broadcast", "allreduce_async", "allgather_async", "broadcast_async"):
         method = getattr(comm, name)
 
         def recorded(*args, _method=method, _name=name, **kwargs):
