@@ -19,7 +19,8 @@ Two communicators on a worker, because a server knows only how to serve:
 The gradients reach the servers through `DistributedGradientTape` and `GradientAggregator` (so
 `DistributedOptimizer` too): on the workers' communicator their ``algorithm="parameter_server"``
 and ``"auto"`` go to the servers (`job_for`; the servers exist to be used, while elsewhere `auto`
-never picks the parameter-server algorithm, see `collectives.algorithms.parameter_server`), any
+weighs the parameter-server algorithm against the others by its cost, see
+`collectives.algorithms.parameter_server`), any
 other named algorithm runs among the workers. A numpy program uses
 ``job_for(comm, "parameter_server").allreduce_async(x)``; `Communicator` calls on the workers'
 communicator stay among the workers, whatever their algorithm. `join()` is refused: a worker that
