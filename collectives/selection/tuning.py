@@ -21,7 +21,8 @@ else ~/.cache/collectives; `python -m collectives.selection.tuning show|clear` l
 
 Without an explicit `tune()`, the first `auto` all-reduce calls `calibrate`: the cached tuning
 when there is one, else a quick pass (a probe, then `QUICK_ROUNDS` rounds at `QUICK_SIZES`) that
-corrects the model where it errs most, at small sizes, and leaves it alone at the largest.
+corrects the model where it errs most, at small sizes, and up to a few MiB, from where on its
+corrections hold.
 """
 
 from __future__ import annotations
@@ -53,14 +54,12 @@ TUNE_SIZES = (4 << 10, 1 << 20, 64 << 20)
 ROUNDS = 11
 """Timed calls of each candidate at each size (after one untimed warm-up call)."""
 
-QUICK_SIZES = (4 << 10, 1 << 20)
+QUICK_SIZES = (4 << 10, 1 << 20, 4 << 20)
 """Sizes of the quick pass at the first `auto` all-reduce: where the model misses the library's
-cost per call and per message (64 MiB would take the pass over a second on threads)."""
+cost per call and per message, and one large enough to catch a candidate that is slow per byte
+(MPI's polled native all-reduce); 64 MiB would take the pass over a second on threads."""
 
 QUICK_ROUNDS = 5
-
-MODEL_SIZE = 64 << 20
-"""From here on the quick pass leaves the model uncorrected (its corrections fade out towards it)."""
 
 ENV_TUNING_DIR = "COLLECTIVES_TUNING_DIR"
 """Where tuning files live, above $XDG_CACHE_HOME/collectives and ~/.cache/collectives."""
@@ -140,14 +139,12 @@ def load_or_measure(
 def calibrate(comm: Communicator, *, backend: str) -> tuple[LinkCosts, Tuning]:
     """What the first `auto` all-reduce of a communicator that was not tuned uses (a collective):
     the cached tuning for this layout when there is one, else a quick pass: a probe, then every
-    candidate timed at `QUICK_SIZES`, its corrections fading to none at `MODEL_SIZE`. The quick
-    pass is not saved: only `tune()`'s fuller one is."""
+    candidate timed at `QUICK_SIZES`. The quick pass is not saved: only `tune()`'s fuller one is."""
     path, fingerprint = _cache_path(comm, backend, None)
     if (cached := _read_shared(comm, path, fingerprint)) is not None:
         return cached
     costs = comm.probe()
-    quick = measure(comm, _selector(comm, costs), QUICK_SIZES, rounds=QUICK_ROUNDS)
-    return costs, Tuning((*quick.sizes, MODEL_SIZE), {a: (*r, None) for a, r in quick.ratios.items()})
+    return costs, measure(comm, _selector(comm, costs), QUICK_SIZES, rounds=QUICK_ROUNDS)
 
 
 def _read_shared(comm: Communicator, path: Path, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
