@@ -477,11 +477,11 @@ class Communicator:
         """
         if self.size == 1:
             return Tuning(())
+        self._tuning_pending = None  # its own all-reduces (op="max" over the timings) use auto
         costs, tuning = load_or_measure(
             self, sizes, backend=type(self._transport).__name__, cache_dir=cache_dir, use_cache=use_cache
         )
         self._selector = self._new_selector(costs, tuning)
-        self._tuning_pending = None
         return tuning
 
     # -- life cycle -------------------------------------------------------------------------------
