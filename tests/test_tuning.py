@@ -65,7 +65,7 @@ def test_first_auto_allreduce_calibrates_without_a_cache(tmp_path, monkeypatch) 
     results = collectives.run_threads(body, 4, ranks_per_node=2)
     assert all(r == results[0] for r in results)
     measured, quick, _ = results[0]
-    assert measured and quick.sizes == tuning.QUICK_SIZES and quick.ratios
+    assert measured and quick.sizes == tuning.QUICK_SIZES[: len(quick.sizes)] and quick.ratios
     assert not list(tmp_path.iterdir())
 
 
@@ -95,3 +95,14 @@ def test_native_cost_switches_algorithm_at_the_short_message_size() -> None:
     large = native_cost(1 << 20, topology, DEFAULT_LINK_COSTS)
     assert 0 < small < large
     assert native_cost(1024, Topology(("a",)), DEFAULT_LINK_COSTS) == 0.0
+
+
+def test_measure_starts_no_size_past_its_budget() -> None:
+    """Every rank stops after the same size once the budget is spent (here: at once)."""
+
+    def body(comm: collectives.Communicator):
+        selector = Selector(comm.topology, DEFAULT_LINK_COSTS, comm.segment_bytes)
+        return tuning.measure(comm, selector, (4096, 1 << 20), rounds=1, budget=0.0)
+
+    results = collectives.run_threads(body, 2)
+    assert all(r == results[0] for r in results) and results[0].sizes == (4096,)

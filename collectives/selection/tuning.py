@@ -61,6 +61,10 @@ cost per call and per message, and one large enough to catch a candidate that is
 
 QUICK_ROUNDS = 5
 
+QUICK_BUDGET = 0.2
+"""Seconds after which the quick pass starts no further size (many thread ranks on few cores take
+longer per all-reduce: there it stops after 4 KiB or 1 MiB)."""
+
 ENV_TUNING_DIR = "COLLECTIVES_TUNING_DIR"
 """Where tuning files live, above $XDG_CACHE_HOME/collectives and ~/.cache/collectives."""
 
@@ -139,12 +143,13 @@ def load_or_measure(
 def calibrate(comm: Communicator, *, backend: str) -> tuple[LinkCosts, Tuning]:
     """What the first `auto` all-reduce of a communicator that was not tuned uses (a collective):
     the cached tuning for this layout when there is one, else a quick pass: a probe, then every
-    candidate timed at `QUICK_SIZES`. The quick pass is not saved: only `tune()`'s fuller one is."""
+    candidate timed at `QUICK_SIZES` within `QUICK_BUDGET`. The quick pass is not saved: only
+    `tune()`'s fuller one is."""
     path, fingerprint = _cache_path(comm, backend, None)
     if (cached := _read_shared(comm, path, fingerprint)) is not None:
         return cached
     costs = comm.probe()
-    return costs, measure(comm, _selector(comm, costs), QUICK_SIZES, rounds=QUICK_ROUNDS)
+    return costs, measure(comm, _selector(comm, costs), QUICK_SIZES, rounds=QUICK_ROUNDS, budget=QUICK_BUDGET)
 
 
 def _read_shared(comm: Communicator, path: Path, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
@@ -174,10 +179,23 @@ def _write_atomically(path: Path, data: bytes) -> None:
     scratch.replace(path)
 
 
-def measure(comm: Communicator, selector: Selector, sizes: Sequence[int], *, rounds: int = ROUNDS) -> Tuning:
-    """Time every candidate at each size on `comm` (a collective), interleaved round by round."""
+def measure(
+    comm: Communicator,
+    selector: Selector,
+    sizes: Sequence[int],
+    *,
+    rounds: int = ROUNDS,
+    budget: float | None = None,
+) -> Tuning:
+    """Time every candidate at each size on `comm` (a collective), interleaved round by round.
+
+    With a `budget` (seconds), no further size is started once the slowest rank has spent it; the
+    tuning then covers the sizes measured (every rank stops after the same size: they compare the
+    same all-reduced time)."""
     clock = comm.clock
+    began = clock()
     ratios: dict[str, list[float | None]] = {a: [None] * len(sizes) for a in selector.candidates}
+    measured = len(sizes)
     for index, nbytes in enumerate(sizes):
         predicted = selector.predictions(nbytes)
         src = np.ones(max(1, nbytes // 4), dtype=np.float32)
@@ -195,7 +213,13 @@ def measure(comm: Communicator, selector: Selector, sizes: Sequence[int], *, rou
             slowest = comm.allreduce(np.array(samples), op="max")
             if predicted[algorithm] > 0:
                 ratios[algorithm][index] = float(np.median(slowest)) / predicted[algorithm]
-    return Tuning(tuple(sizes), {a: tuple(r) for a, r in ratios.items() if any(x is not None for x in r)})
+        if budget is not None and comm.allreduce(np.array([clock() - began]), op="max")[0] > budget:
+            measured = index + 1
+            break
+    return Tuning(
+        tuple(sizes[:measured]),
+        {a: tuple(r[:measured]) for a, r in ratios.items() if any(x is not None for x in r)},
+    )
 
 
 def encode(costs: LinkCosts, tuning: Tuning, fingerprint: str) -> bytes:
