@@ -57,16 +57,14 @@ from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, finalize
 from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
+from collectives.selection.native import NATIVE
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Explanation, Selector, Tuning
-from collectives.selection.tuning import TUNE_SIZES, load_or_measure
+from collectives.selection.tuning import TUNE_SIZES, calibrate, load_or_measure
 from collectives.sequencer import Sequencer, Work, completed_work
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds any single collective may take before it fails with `CollectiveTimeoutError`."""
-
-NATIVE = "native"
-"""The backend's own all-reduce (MPI_Allreduce, ncclAllReduce), where it has one."""
 
 _SETUP_HEADER = f"communicator setup (collectives {__version__})".encode()
 """Carried by the host exchange at construction, so that ranks of different versions find out."""
@@ -82,7 +80,9 @@ class Communicator:
         timeout: seconds each collective may take before failing with `CollectiveTimeoutError`.
         segment_bytes: pipelining granularity of the algorithms.
         autotune: run `tune()` (which reuses a cached tuning file when there is one) at the first
-            all-reduce with `algorithm="auto"`; every rank must pass the same value.
+            all-reduce with `algorithm="auto"`; every rank must pass the same value. Without it that
+            first all-reduce runs the quicker `collectives.selection.tuning.calibrate` (the cached
+            tuning, else a probe and a quick timing of the candidates at small sizes).
     """
 
     def __init__(
@@ -103,8 +103,9 @@ class Communicator:
         """The algorithm the most recent all-reduce call resolved to (after "auto")."""
         hosts = self._sequencer.run_setup(_SETUP_HEADER, lambda group: _exchange_hosts(group, transport.host))
         self.topology = Topology(hosts)
-        self._selector = Selector(self.topology, DEFAULT_LINK_COSTS, self.segment_bytes)
-        self._autotune_pending = autotune
+        self._selector = self._new_selector(DEFAULT_LINK_COSTS)
+        self._tuning_pending: str | None = "tune" if autotune else "calibrate"
+        """What the first `auto` all-reduce runs before choosing; None once done or tuned."""
         self._work_space = np.empty(0, dtype=np.uint8)
         """Scratch kept between collectives (see `_reusable_work_space`)."""
         self._duplicates = itertools.count()
@@ -218,7 +219,7 @@ class Communicator:
 
     def _allreduce_plan(self, x: Any, op: str | ReduceOp, algorithm: str, out: np.ndarray | None) -> _Plan:
         src, op = reduction_input(x, op)
-        chosen = self._choose_allreduce(algorithm, src.nbytes)
+        chosen = self._choose_allreduce(algorithm, src.nbytes, src.dtype)
         if chosen == NATIVE and src.dtype not in self._transport.native_dtypes:
             supported = ", ".join(str(d) for d in self._transport.native_dtypes)
             raise TypeError(f"algorithm 'native' cannot reduce {src.dtype} on this backend; it supports {supported}")
@@ -471,14 +472,15 @@ class Communicator:
         transport = self._sequencer.call(b"dup", run)
         twin = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes)
         twin._selector = self._selector
-        twin._autotune_pending = self._autotune_pending
+        twin._tuning_pending = self._tuning_pending
         return twin
 
     # -- algorithm selection ----------------------------------------------------------------------
 
     def explain(self, nbytes: int) -> Explanation:
         """What `algorithm="auto"` would choose for an all-reduce of `nbytes`, and why: the predicted
-        (and, after `tune()`, corrected) time of every candidate. `print()` it for a table."""
+        (and, after `tune()` or the first `auto` all-reduce, corrected) time of every candidate.
+        `print()` it for a table."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         return self._selector.explain(int(nbytes))
@@ -491,7 +493,7 @@ class Communicator:
             return self._selector.costs
         topology = self.topology
         costs = self._sequencer.call(b"probe links", lambda group: probe_links(group, topology))
-        self._selector = Selector(self.topology, costs, self.segment_bytes)
+        self._selector = self._new_selector(costs)
         return costs
 
     def tune(
@@ -510,10 +512,11 @@ class Communicator:
         """
         if self.size == 1:
             return Tuning(())
+        self._tuning_pending = None  # its own all-reduces (op="max" over the timings) use auto
         costs, tuning = load_or_measure(
             self, sizes, backend=type(self._transport).__name__, cache_dir=cache_dir, use_cache=use_cache
         )
-        self._selector = Selector(self.topology, costs, self.segment_bytes, tuning)
+        self._selector = self._new_selector(costs, tuning)
         return tuning
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -531,7 +534,10 @@ class Communicator:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _choose_allreduce(self, algorithm: str, nbytes: int) -> str:
+    def _new_selector(self, costs: LinkCosts, tuning: Tuning | None = None) -> Selector:
+        return Selector(self.topology, costs, self.segment_bytes, tuning, native=self._transport.has_native_allreduce)
+
+    def _choose_allreduce(self, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
         if algorithm != "auto":
             if algorithm == NATIVE:
                 if not self._transport.has_native_allreduce:
@@ -542,10 +548,13 @@ class Communicator:
             else:
                 registry.runnable(algorithm, self.topology)  # unknown or unfit: a ValueError saying so
             return algorithm
-        if self._autotune_pending:
-            self._autotune_pending = False
+        pending, self._tuning_pending = self._tuning_pending, None
+        if pending == "tune":
             self.tune()
-        return self._selector.choose(nbytes)
+        elif pending == "calibrate" and self.size > 1:
+            costs, tuning = calibrate(self, backend=type(self._transport).__name__)
+            self._selector = self._new_selector(costs, tuning)
+        return self._selector.choose(nbytes, native_fits=dtype in self._transport.native_dtypes)
 
     def _reusable_work_space(self, like: np.ndarray) -> np.ndarray:
         """Uninitialised scratch of `like`'s size and dtype, kept for the next collective.

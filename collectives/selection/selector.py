@@ -1,7 +1,8 @@
 """`Selector`: what `algorithm="auto"` resolves to, per message size.
 
 It predicts the time of every candidate the algorithm registry offers for the topology with the
-algorithm's own cost function (`collectives.algorithms.registry`), multiplies each prediction by
+algorithm's own cost function (`collectives.algorithms.registry`), and of the backend's own
+all-reduce where there is one (`collectives.selection.native`), multiplies each prediction by
 a measured correction if a tuning pass ran (`Tuning`), and picks the smallest. Everything it uses
 (topology, link costs, tuning) is identical on every rank (probes and tuning all-gather or
 broadcast their numbers), and the computation is deterministic, so every rank picks the same
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from collectives.algorithms.registry import auto_candidates, predict
 from collectives.core.topology import LinkCosts, Topology
+from collectives.selection.native import NATIVE, native_cost
 
 log = logging.getLogger(__name__)
 
@@ -97,19 +99,34 @@ class Explanation:
 class Selector:
     """Chooses the all-reduce algorithm with the lowest predicted time for each size."""
 
-    def __init__(self, topology: Topology, costs: LinkCosts, segment_bytes: int, tuning: Tuning | None = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        costs: LinkCosts,
+        segment_bytes: int,
+        tuning: Tuning | None = None,
+        *,
+        native: bool = False,
+    ) -> None:
+        """`native`: the backend has its own all-reduce, and `auto` weighs it too."""
         self.topology = topology
         self.costs = costs
         self.segment_bytes = segment_bytes
         self.tuning = tuning
-        self.candidates = auto_candidates(topology)
-        self._chosen: dict[int, str] = {}
+        self.native = native
+        self.candidates = (*auto_candidates(topology), *((NATIVE,) if native else ()))
+        self._chosen: dict[tuple[int, bool], str] = {}
         self._announced: set[tuple[int, str]] = set()
         """(size class, algorithm) pairs already logged at INFO, so each new choice is logged once."""
 
     def predictions(self, nbytes: int) -> dict[str, float]:
         """Model seconds of every candidate at `nbytes`."""
-        return {a: predict(a, nbytes, self.topology, self.costs, self.segment_bytes) for a in self.candidates}
+        return {
+            a: native_cost(nbytes, self.topology, self.costs)
+            if a == NATIVE
+            else predict(a, nbytes, self.topology, self.costs, self.segment_bytes)
+            for a in self.candidates
+        }
 
     def corrected(self, nbytes: int) -> dict[str, float]:
         """Predictions times the tuning corrections (the numbers `choose` compares)."""
@@ -118,16 +135,19 @@ class Selector:
             return predicted
         return {a: t * self.tuning.correction(a, nbytes) for a, t in predicted.items()}
 
-    def choose(self, nbytes: int) -> str:
-        """The candidate with the lowest corrected prediction; ties go to the earlier candidate."""
-        choice = self._chosen.get(nbytes)
+    def choose(self, nbytes: int, *, native_fits: bool = True) -> str:
+        """The candidate with the lowest corrected prediction; ties go to the earlier candidate.
+        `native_fits` False (the backend's all-reduce cannot take this dtype) leaves native out."""
+        key = (nbytes, native_fits)
+        choice = self._chosen.get(key)
         if choice is None:
             times = self.corrected(nbytes)
-            choice = min(self.candidates, key=times.__getitem__)
+            fitting = [a for a in self.candidates if native_fits or a != NATIVE]
+            choice = min(fitting, key=times.__getitem__)
             self._announce(nbytes, choice, times)
             if len(self._chosen) >= _CACHE_LIMIT:
                 self._chosen.clear()
-            self._chosen[nbytes] = choice
+            self._chosen[key] = choice
         return choice
 
     def _announce(self, nbytes: int, choice: str, times: Mapping[str, float]) -> None:

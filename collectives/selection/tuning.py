@@ -10,18 +10,30 @@ are interleaved round by round across the candidates, so a burst of machine nois
 them alike. Times are the slowest rank's, median of the rounds, and pass through an all-reduce, so
 every rank keeps identical numbers.
 
-The probed link costs and the ratios are saved as JSON under a name made from the topology's
-fingerprint (backend, node layout, segment size, library version). Rank 0 reads the file and
-broadcasts it, so a second run with the same layout starts tuned without measuring, and ranks on
-different machines cannot end up with different files' contents. Rank 0 alone writes it, through a
-scratch file renamed into place, so a reader never sees half a file.
+The probed link costs and the ratios are saved as JSON under a name made from a fingerprint of
+the backend, the node layout, the segment size, the library version and rank 0's hardware
+(`hardware_key`: CPU model, core count, memory; not the host name, so identical machines share
+files). Rank 0 reads and checks the file and broadcasts it, so a second run with the same layout
+starts tuned without measuring, and ranks on different machines cannot end up with different
+files' contents. Rank 0 alone writes it, through a scratch file renamed into place, so a reader
+never sees half a file. Files live in `$COLLECTIVES_TUNING_DIR`, else `$XDG_CACHE_HOME/collectives`,
+else ~/.cache/collectives; `python -m collectives.selection.tuning show|clear` lists or deletes them.
+
+Without an explicit `tune()`, the first `auto` all-reduce calls `calibrate`: the cached tuning
+when there is one, else a quick pass (a probe, then `QUICK_ROUNDS` rounds at `QUICK_SIZES`) that
+corrects the model where it errs most, at small sizes, and up to a few MiB, from where on its
+corrections hold.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
 import json
 import os
+import platform
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +42,7 @@ import numpy as np
 
 from collectives._version import __version__
 from collectives.core.topology import LinkCost, LinkCosts, Topology
+from collectives.selection.native import NATIVE
 from collectives.selection.selector import Selector, Tuning
 
 if TYPE_CHECKING:
@@ -41,22 +54,67 @@ TUNE_SIZES = (4 << 10, 1 << 20, 64 << 20)
 ROUNDS = 11
 """Timed calls of each candidate at each size (after one untimed warm-up call)."""
 
+QUICK_SIZES = (4 << 10, 1 << 20, 4 << 20)
+"""Sizes of the quick pass at the first `auto` all-reduce: where the model misses the library's
+cost per call and per message, and one large enough to catch a candidate that is slow per byte
+(MPI's polled native all-reduce); 64 MiB would take the pass over a second on threads."""
+
+QUICK_ROUNDS = 5
+
+QUICK_BUDGET = 0.2
+"""Seconds after which the quick pass starts no further size (many thread ranks on few cores take
+longer per all-reduce: there it stops after 4 KiB or 1 MiB)."""
+
 ENV_TUNING_DIR = "COLLECTIVES_TUNING_DIR"
-"""Where tuning files live; default ~/.cache/collectives."""
+"""Where tuning files live, above $XDG_CACHE_HOME/collectives and ~/.cache/collectives."""
+
+CACHE_GLOB = "tuning-*.json"
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get(ENV_TUNING_DIR) or Path.home() / ".cache" / "collectives")
+    """$COLLECTIVES_TUNING_DIR, else $XDG_CACHE_HOME/collectives, else ~/.cache/collectives."""
+    if directory := os.environ.get(ENV_TUNING_DIR):
+        return Path(directory)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "collectives"
 
 
 def cache_file(directory: str | os.PathLike, fingerprint: str) -> Path:
     return Path(directory) / f"tuning-{fingerprint}.json"
 
 
+@functools.cache
+def hardware_key() -> str:
+    """This machine's hardware as a tuning file's key knows it: CPU model, logical cores, memory
+    in GiB (a different machine of the same kind shares the files; another kind does not)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    except (ValueError, OSError, AttributeError):
+        memory = 0.0
+    return f"{model}|{os.cpu_count()} cores|{round(memory)} GiB"
+
+
 def _cache_fingerprint(topology: Topology, backend: str, segment_bytes: int) -> str:
     """What a tuning file is valid for: this node layout on `backend` (a transport's class name),
-    at this segment size, measured by this version of the library."""
-    return topology.fingerprint(f"{backend}|segment={segment_bytes}|{__version__}")
+    at this segment size, measured by this version of the library on this hardware (rank 0's,
+    which alone reads and writes the files)."""
+    return topology.fingerprint(f"{backend}|segment={segment_bytes}|{__version__}|{hardware_key()}")
+
+
+def _cache_path(comm: Communicator, backend: str, cache_dir: str | os.PathLike | None) -> tuple[Path, str]:
+    fingerprint = _cache_fingerprint(comm.topology, backend, comm.segment_bytes)
+    return cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint), fingerprint
+
+
+def _selector(comm: Communicator, costs: LinkCosts) -> Selector:
+    """An untuned selector over `comm`'s candidates (native included where the backend has it)."""
+    return Selector(comm.topology, costs, comm.segment_bytes, native=NATIVE in comm.algorithms)
 
 
 def load_or_measure(
@@ -72,31 +130,45 @@ def load_or_measure(
     Read from the cache file for this layout when there is one (and `use_cache`); otherwise probed
     and measured at `sizes`, and saved when `use_cache`. `cache_dir` None means `default_cache_dir()`.
     """
-    fingerprint = _cache_fingerprint(comm.topology, backend, comm.segment_bytes)
-    path = cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint)
+    path, fingerprint = _cache_path(comm, backend, cache_dir)
     if use_cache and (cached := _read_shared(comm, path, fingerprint)) is not None:
         return cached
     costs = comm.probe()
-    tuning = measure(comm, Selector(comm.topology, costs, comm.segment_bytes), sorted(sizes))
+    tuning = measure(comm, _selector(comm, costs), sorted(sizes))
     if use_cache and comm.rank == 0:
         _write_atomically(path, encode(costs, tuning, fingerprint))
     return costs, tuning
 
 
+def calibrate(comm: Communicator, *, backend: str) -> tuple[LinkCosts, Tuning]:
+    """What the first `auto` all-reduce of a communicator that was not tuned uses (a collective):
+    the cached tuning for this layout when there is one, else a quick pass: a probe, then every
+    candidate timed at `QUICK_SIZES` within `QUICK_BUDGET`. The quick pass is not saved: only
+    `tune()`'s fuller one is."""
+    path, fingerprint = _cache_path(comm, backend, None)
+    if (cached := _read_shared(comm, path, fingerprint)) is not None:
+        return cached
+    costs = comm.probe()
+    return costs, measure(comm, _selector(comm, costs), QUICK_SIZES, rounds=QUICK_ROUNDS, budget=QUICK_BUDGET)
+
+
 def _read_shared(comm: Communicator, path: Path, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
-    """Rank 0's copy of a tuning file, broadcast so that every rank decodes the same bytes (a
-    collective); None when rank 0 has none or it is for something else."""
+    """Rank 0's copy of a tuning file, checked by rank 0 and broadcast so that every rank decodes
+    the same bytes (a collective); None when rank 0 has none or it is for something else. Only rank
+    0's fingerprint counts: ranks on other machines may have other hardware."""
     data = b""
     if comm.rank == 0:
         try:
             data = path.read_bytes()
         except OSError:
             pass
+        if decode(data, fingerprint) is None:
+            data = b""
     length = int(comm.broadcast(np.array([len(data)], dtype=np.int64))[0])
     if length == 0:
         return None
     payload = np.frombuffer(data, dtype=np.uint8) if comm.rank == 0 else np.empty(length, dtype=np.uint8)
-    return decode(comm.broadcast(payload).tobytes(), fingerprint)
+    return decode(comm.broadcast(payload).tobytes(), None)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -107,10 +179,23 @@ def _write_atomically(path: Path, data: bytes) -> None:
     scratch.replace(path)
 
 
-def measure(comm: Communicator, selector: Selector, sizes: Sequence[int], *, rounds: int = ROUNDS) -> Tuning:
-    """Time every candidate at each size on `comm` (a collective), interleaved round by round."""
+def measure(
+    comm: Communicator,
+    selector: Selector,
+    sizes: Sequence[int],
+    *,
+    rounds: int = ROUNDS,
+    budget: float | None = None,
+) -> Tuning:
+    """Time every candidate at each size on `comm` (a collective), interleaved round by round.
+
+    With a `budget` (seconds), no further size is started once the slowest rank has spent it; the
+    tuning then covers the sizes measured (every rank stops after the same size: they compare the
+    same all-reduced time)."""
     clock = comm.clock
+    began = clock()
     ratios: dict[str, list[float | None]] = {a: [None] * len(sizes) for a in selector.candidates}
+    measured = len(sizes)
     for index, nbytes in enumerate(sizes):
         predicted = selector.predictions(nbytes)
         src = np.ones(max(1, nbytes // 4), dtype=np.float32)
@@ -128,7 +213,13 @@ def measure(comm: Communicator, selector: Selector, sizes: Sequence[int], *, rou
             slowest = comm.allreduce(np.array(samples), op="max")
             if predicted[algorithm] > 0:
                 ratios[algorithm][index] = float(np.median(slowest)) / predicted[algorithm]
-    return Tuning(tuple(sizes), {a: tuple(r) for a, r in ratios.items() if any(x is not None for x in r)})
+        if budget is not None and comm.allreduce(np.array([clock() - began]), op="max")[0] > budget:
+            measured = index + 1
+            break
+    return Tuning(
+        tuple(sizes[:measured]),
+        {a: tuple(r[:measured]) for a, r in ratios.items() if any(x is not None for x in r)},
+    )
 
 
 def encode(costs: LinkCosts, tuning: Tuning, fingerprint: str) -> bytes:
@@ -141,11 +232,14 @@ def encode(costs: LinkCosts, tuning: Tuning, fingerprint: str) -> bytes:
     return json.dumps(record, indent=1).encode()
 
 
-def decode(data: bytes, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
-    """The costs and tuning in a cache file's contents, or None if it is for something else."""
+def decode(data: bytes, fingerprint: str | None) -> tuple[LinkCosts, Tuning] | None:
+    """The costs and tuning in a cache file's contents, or None if it is for something else (for
+    another `fingerprint`, None: any)."""
     try:
         record = json.loads(data)
-        if record.get("fingerprint") != fingerprint or record.get("version") != __version__:
+        if fingerprint is not None and record.get("fingerprint") != fingerprint:
+            return None
+        if record.get("version") != __version__:
             return None
         c = record["costs"]
         costs = LinkCosts(
@@ -160,3 +254,37 @@ def decode(data: bytes, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
     except (ValueError, KeyError, TypeError):
         return None
     return costs, tuning
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m collectives.selection.tuning show|clear [--dir DIR]`: list or delete tuning files."""
+    parser = argparse.ArgumentParser(prog="python -m collectives.selection.tuning", description=main.__doc__)
+    parser.add_argument("action", choices=("show", "clear"))
+    parser.add_argument("--dir", type=Path, default=None, help="default: where the library looks (see above)")
+    args = parser.parse_args(argv)
+    directory = args.dir if args.dir is not None else default_cache_dir()
+    files = sorted(directory.glob(CACHE_GLOB))
+    print(f"{directory}: {len(files)} tuning file(s); this machine: {hardware_key()}")
+    for path in files:
+        if args.action == "clear":
+            path.unlink(missing_ok=True)
+            print(f"  deleted {path.name}")
+            continue
+        record = _summary(path)
+        print(f"  {path.name}: {record}")
+    return 0
+
+
+def _summary(path: Path) -> str:
+    """One line about a tuning file: version, sizes and the measured algorithms."""
+    try:
+        record = json.loads(path.read_bytes())
+        tuning = record["tuning"]
+        sizes = ", ".join(str(size) for size in tuning["sizes"])
+        return f"version {record['version']}, sizes {sizes}, algorithms {', '.join(tuning['ratios'])}"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"unreadable ({error})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The cost model of a backend's own all-reduce ("native": MPI_Allreduce), so `auto` can weigh it.
+
+The engine's algorithm is not ours to read, so the model follows what MPICH (and Open MPI's tuned
+defaults, closely enough) do: recursive doubling below `SHORT_MESSAGE_BYTES`, log2(p) exchanges of
+the whole message, each followed by a reduction; above it, Rabenseifner's algorithm, a recursive
+halving reduce-scatter and a recursive doubling all-gather, 2 log2(p) messages that together move
+2 (p-1)/p n bytes and reduce (p-1)/p n. Bytes go at the world's slowest link's speed (`inter`
+across nodes, `intra` on one node), from the same link costs as the library's algorithms.
+
+What differs is the cost per message. The probes time a message through this library's transport,
+whose alpha includes Python's share of every isend/irecv and wait; the engine's messages are sent
+from C inside one call and pay `NATIVE_ALPHA` at most (a few microseconds on shared memory and on a
+fast network). That difference is what makes native the better choice at small sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from collectives.core.topology import LinkCosts, Topology
+
+NATIVE = "native"
+"""The backend's own all-reduce (MPI_Allreduce, ncclAllReduce), where it has one."""
+
+SHORT_MESSAGE_BYTES = 2048
+"""MPICH's default switch from recursive doubling to Rabenseifner (MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE)."""
+
+NATIVE_ALPHA = 5e-6
+"""Seconds per message inside the engine: an upper bound for shared memory and fast networks."""
+
+
+def native_cost(nbytes: int, topology: Topology, costs: LinkCosts) -> float:
+    """Predicted seconds of the engine's all-reduce of `nbytes` per rank on `topology`."""
+    if topology.size == 1 or nbytes <= 0:
+        return 0.0
+    link = costs.inter if topology.num_nodes > 1 else costs.intra
+    alpha = min(link.alpha, NATIVE_ALPHA)
+    rounds = math.ceil(math.log2(topology.size))
+    if nbytes < SHORT_MESSAGE_BYTES:
+        return rounds * (alpha + nbytes * (link.slowest_beta + costs.gamma))
+    share = (topology.size - 1) / topology.size * nbytes
+    return 2 * rounds * alpha + 2 * share * link.slowest_beta + share * costs.gamma

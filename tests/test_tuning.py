@@ -1,0 +1,108 @@
+"""The tuning cache (where it lives, what its key holds, the show/clear command), the calibration of
+the first `auto` all-reduce, and native as a candidate of the selector."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import collectives
+import collectives.selection.tuning as tuning
+from collectives.core.topology import DEFAULT_LINK_COSTS, Topology
+from collectives.selection.native import NATIVE, native_cost
+from collectives.selection.selector import Selector
+
+
+def test_cache_dir_honours_xdg_and_the_override(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(tuning.ENV_TUNING_DIR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tuning.default_cache_dir() == tmp_path / "xdg" / "collectives"
+    monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path / "mine"))
+    assert tuning.default_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv(tuning.ENV_TUNING_DIR)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert tuning.default_cache_dir().parts[-2:] == (".cache", "collectives")
+
+
+def test_fingerprint_holds_the_hardware_not_the_host_name(monkeypatch) -> None:
+    topology = Topology(("a", "a", "b", "b"))
+    renamed = Topology(("x", "x", "y", "y"))
+    first = tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20)
+    assert first == tuning._cache_fingerprint(renamed, "ThreadTransport", 1 << 20)
+    assert "cores" in tuning.hardware_key() and "GiB" in tuning.hardware_key()
+    monkeypatch.setattr(tuning, "hardware_key", lambda: "another machine")
+    assert tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20) != first
+
+
+def test_first_auto_allreduce_picks_up_the_cached_tuning(tmp_path, monkeypatch) -> None:
+    """Once tune() saved a file, a new world's first auto all-reduce reads it instead of measuring,
+    and every rank ends with the same choices."""
+    monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path))
+    collectives.run_threads(lambda comm: comm.tune((4096, 65536)), 4, ranks_per_node=2)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured although a tuning file exists")
+
+    monkeypatch.setattr(tuning, "measure", refuse)
+
+    def body(comm: collectives.Communicator):
+        comm.allreduce(np.ones(16, dtype=np.float32))
+        return comm.explain(4096).tuned, [comm.explain(n).choice for n in (4096, 1 << 20, 64 << 20)]
+
+    results = collectives.run_threads(body, 4, ranks_per_node=2)
+    assert results[0][0] and all(r == results[0] for r in results)
+
+
+def test_first_auto_allreduce_calibrates_without_a_cache(tmp_path, monkeypatch) -> None:
+    """No file: a quick pass corrects the model at small sizes (same on every rank), saves nothing."""
+    monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path))
+
+    def body(comm: collectives.Communicator):
+        assert not comm.explain(4096).tuned
+        result = comm.allreduce(np.full(1024, comm.rank, dtype=np.float32))
+        assert np.array_equal(result, np.full(1024, 6, dtype=np.float32))
+        return comm.link_costs.measured, comm._selector.tuning, comm.explain(4096).choice
+
+    results = collectives.run_threads(body, 4, ranks_per_node=2)
+    assert all(r == results[0] for r in results)
+    measured, quick, _ = results[0]
+    assert measured and quick.sizes == tuning.QUICK_SIZES[: len(quick.sizes)] and quick.ratios
+    assert not list(tmp_path.iterdir())
+
+
+def test_show_and_clear(tmp_path, capsys) -> None:
+    (tmp_path / "tuning-0123.json").write_text("{}")
+    (tmp_path / "other.txt").write_text("kept")
+    assert tuning.main(["show", "--dir", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "1 tuning file" in shown and "tuning-0123.json: unreadable" in shown
+    assert tuning.main(["clear", "--dir", str(tmp_path)]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["other.txt"]
+
+
+def test_selector_weighs_native_only_where_asked_and_where_it_fits() -> None:
+    topology = Topology(("a", "a", "b", "b"))
+    without = Selector(topology, DEFAULT_LINK_COSTS, 1 << 20)
+    with_native = Selector(topology, DEFAULT_LINK_COSTS, 1 << 20, native=True)
+    assert NATIVE not in without.candidates and with_native.candidates[-1] == NATIVE
+    assert with_native.predictions(4096)[NATIVE] == native_cost(4096, topology, DEFAULT_LINK_COSTS) > 0
+    assert with_native.choose(4096) == NATIVE  # no Python per message: cheapest at small sizes
+    assert with_native.choose(4096, native_fits=False) == without.choose(4096)
+
+
+def test_native_cost_switches_algorithm_at_the_short_message_size() -> None:
+    topology = Topology(("a",) * 8)
+    small = native_cost(1024, topology, DEFAULT_LINK_COSTS)
+    large = native_cost(1 << 20, topology, DEFAULT_LINK_COSTS)
+    assert 0 < small < large
+    assert native_cost(1024, Topology(("a",)), DEFAULT_LINK_COSTS) == 0.0
+
+
+def test_measure_starts_no_size_past_its_budget() -> None:
+    """Every rank stops after the same size once the budget is spent (here: at once)."""
+
+    def body(comm: collectives.Communicator):
+        selector = Selector(comm.topology, DEFAULT_LINK_COSTS, comm.segment_bytes)
+        return tuning.measure(comm, selector, (4096, 1 << 20), rounds=1, budget=0.0)
+
+    results = collectives.run_threads(body, 2)
+    assert all(r == results[0] for r in results) and results[0].sizes == (4096,)
