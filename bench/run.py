@@ -16,6 +16,8 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from collectives import Communicator, run_threads
 
 from .measure import SweepResult, SweepSpec, measure, progress_steps
@@ -36,6 +38,8 @@ def rank_sweep(
             comm.tune()
         elif probe:
             comm.probe()
+        if spec.collective == "allreduce":
+            comm.allreduce(np.zeros(1, np.float32))  # untimed: auto's first all-reduce calibrates it
         with ProgressBar(progress_steps(spec), enabled=False if comm.rank else progress) as bar:
             rows = measure(comm, spec, bar.advance)
         choices: dict[int, str] = {}
