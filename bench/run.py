@@ -39,7 +39,7 @@ def rank_sweep(
         elif probe:
             comm.probe()
         if spec.collective == "allreduce":
-            comm.allreduce(np.zeros(1, np.float32))  # untimed: auto's first all-reduce calibrates it
+            comm.allreduce(np.zeros(1, np.float32))  # untimed: the first auto call (calibrates where asked)
         with ProgressBar(progress_steps(spec), enabled=False if comm.rank else progress) as bar:
             rows = measure(comm, spec, bar.advance)
         choices: dict[int, str] = {}

@@ -79,10 +79,12 @@ class Communicator:
         transport: this rank's endpoint (threads, MPI, gRPC, ...).
         timeout: seconds each collective may take before failing with `CollectiveTimeoutError`.
         segment_bytes: pipelining granularity of the algorithms.
-        autotune: run `tune()` (which reuses a cached tuning file when there is one) at the first
-            all-reduce with `algorithm="auto"`; every rank must pass the same value. Without it that
-            first all-reduce runs the quicker `collectives.selection.tuning.calibrate` (the cached
-            tuning, else a probe and a quick timing of the candidates at small sizes).
+        autotune: what the first all-reduce with `algorithm="auto"` runs before choosing: True, the
+            full `tune()` (which reuses a cached tuning file when there is one); "calibrate", the
+            quick pass (`selection.tuning.calibrate`: the cached tuning, else a sub-second timing of
+            every candidate); False, nothing (the model on default link costs until `probe()` or
+            `tune()`). Either pass is a collective run inside that call, so every rank must pass the
+            same value and make its first auto all-reduce at the same point, blocking or async.
     """
 
     def __init__(
@@ -91,7 +93,7 @@ class Communicator:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-        autotune: bool = False,
+        autotune: bool | str = False,
     ) -> None:
         timeout = checked_timeout(timeout)
         if segment_bytes < 1:
@@ -104,7 +106,9 @@ class Communicator:
         hosts = self._sequencer.run_setup(_SETUP_HEADER, lambda group: _exchange_hosts(group, transport.host))
         self.topology = Topology(hosts)
         self._selector = self._new_selector(DEFAULT_LINK_COSTS)
-        self._tuning_pending: str | None = "tune" if autotune else "calibrate"
+        if autotune not in (True, False, "calibrate"):
+            raise ValueError(f"autotune must be True, False or 'calibrate', got {autotune!r}")
+        self._tuning_pending: str | None = "tune" if autotune is True else "calibrate" if autotune else None
         """What the first `auto` all-reduce runs before choosing; None once done or tuned."""
         self._work_space = np.empty(0, dtype=np.uint8)
         """Scratch kept between collectives (see `_reusable_work_space`)."""

@@ -29,6 +29,7 @@ def run_threads(
     ranks_per_node: int | Sequence[int] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    autotune: bool | str = False,
 ) -> list[T]:
     """Run `fn(comm)` on `world_size` thread ranks; return the results in rank order.
 
@@ -39,6 +40,7 @@ def run_threads(
             or a list of node sizes for uneven nodes. Sets each rank's `host`.
         timeout: seconds each collective may take before `CollectiveTimeoutError`.
         segment_bytes: pipelining granularity passed to every communicator.
+        autotune: passed to every communicator (True, False or "calibrate").
 
     Raises:
         The first exception raised on any rank (with a note naming the rank); the other ranks are
@@ -56,7 +58,7 @@ def run_threads(
     def rank_main(rank: int) -> None:
         comm = None
         try:
-            comm = Communicator(fabric.endpoint(rank), timeout=timeout, segment_bytes=segment_bytes)
+            comm = Communicator(fabric.endpoint(rank), timeout=timeout, segment_bytes=segment_bytes, autotune=autotune)
             results[rank] = fn(comm)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
             with failures_lock:
