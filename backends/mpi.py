@@ -27,8 +27,8 @@ pipelines do): with one tag, the second envelope receive would match the first p
 
 Tags. MPI tags only go up to `MPI.TAG_UB` (2**29 - 1 with MPICH; the standard promises 32767),
 the library's up to about 2**30. A library tag t travels on tags 2m and 2m+1, m = t mod M, M the
-largest power of two with 2M <= TAG_UB - 1; tag TAG_UB is reserved for abort notices and TAG_UB - 1
-for waiting announcements (see the header agreement below). Distinct tags
+largest power of two with 2M <= TAG_UB - 1; tag TAG_UB is reserved for abort notices, TAG_UB - 1
+for waiting announcements (see the header agreement below) and TAG_UB - 2 for the exit check. Distinct tags
 collide only if they differ by a multiple of M (2**27 here, at least 8192 anywhere), and that can
 never happen between messages in flight at the same time: a communicator runs collectives one
 after another in the same order on every rank, each on its own block of 64 tags (handed out, and
@@ -91,7 +91,8 @@ SIGKILLed mid-all-reduce, 10 runs each):
   aborts and the other survivors raise `PeerLostError` within milliseconds. MPI_Finalize would
   then block forever (it synchronises with every rank, the dead one included), so at exit a process
   that saw a peer lost (an MPI error, a timed-out collective, or a notice from a rank that saw one)
-  polls a barrier on that communicator for `EXIT_GRACE_SECONDS` and, unless every rank turns up
+  exchanges exit notes with every rank of that communicator for `EXIT_GRACE_SECONDS` (point to
+  point: a barrier could be paired with a slow rank's late collective) and, unless every rank turns up
   (a peer that was merely slow does: the job then exits normally), ends the job with `MPI_Abort`.
   Measured, though, hydra does not reliably keep its promise: in 2 to 5 runs of 10 (three
   batches) the survivors raised as described (within 60 ms, or at the collective's deadline when
@@ -210,22 +211,18 @@ def _abort_job_at_exit() -> None:
     """Run by `atexit`, before mpi4py's own exit hook calls MPI_Finalize.
 
     MPI_Finalize synchronises with every rank of the job (a PMI barrier under hydra), so after a
-    peer died it would block forever. A process that saw a peer fail therefore first checks,
-    with a barrier on the communicator where it happened polled for `EXIT_GRACE_SECONDS`, that
-    every rank of it is alive and exiting too (a peer that was only slow got the abort notice and
-    does the same); if so, MPI_Finalize is safe and the exit proceeds normally. Otherwise it ends
-    the job with MPI_Abort: the launcher stops every rank and exits non-zero. The grace period
-    also lets the other survivors report their own errors before the job is torn down.
+    peer died it would block forever. A process that saw a peer fail therefore first checks that
+    every rank of the communicator where it happened is alive and exiting too
+    (`_every_rank_at_exit`; a peer that was only slow got the abort notice and does the same); if
+    so, MPI_Finalize is safe and the exit proceeds normally. Otherwise it ends the job with
+    MPI_Abort: the launcher stops every rank and exits non-zero. The grace period also lets the
+    other survivors report their own errors before the job is torn down.
     """
     if _LOST is None or _MPI is None or not _MPI.Is_initialized() or _MPI.Is_finalized():
         return
     try:
-        barrier = _LOST_COMM.Ibarrier()
-        deadline = time.monotonic() + EXIT_GRACE_SECONDS
-        while time.monotonic() < deadline:
-            if barrier.Test():
-                return  # every rank is alive and at exit: MPI_Finalize will not hang
-            time.sleep(1e-3)
+        if _every_rank_at_exit(_LOST_COMM, EXIT_GRACE_SECONDS):
+            return  # MPI_Finalize will not hang
     except _MPI.Exception:
         pass
     for stream in (sys.stdout, sys.stderr):
@@ -243,6 +240,29 @@ def _abort_job_at_exit() -> None:
     except Exception:  # noqa: BLE001
         pass
     _MPI.COMM_WORLD.Abort(1)
+
+
+def _every_rank_at_exit(comm: Any, seconds: float) -> bool:
+    """True when every rank of `comm` announces, within `seconds`, that it is exiting too.
+
+    Point-to-point notes on a tag of their own (TAG_UB - 2), never a collective such as a barrier:
+    this rank may have abandoned a collective that a slow peer has yet to reach, and MPI pairs a
+    rank's collectives in issue order, so the slow rank's all-reduce would be paired with this
+    barrier and end with the barrier's bytes as its result."""
+    tag = int(comm.Get_attr(_MPI.TAG_UB)) - 2
+    rank, size = comm.Get_rank(), comm.Get_size()
+    peers = [peer for peer in range(size) if peer != rank]
+    note = bytearray(1)
+    inbox = [bytearray(1) for _ in peers]
+    requests = [comm.Isend([note, _MPI.BYTE], peer, tag) for peer in peers]
+    requests += [comm.Irecv([box, _MPI.BYTE], peer, tag) for peer, box in zip(peers, inbox, strict=True)]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _MPI.Request.Testall(requests):
+            return True
+        time.sleep(1e-3)
+    _LEAKED.append((requests, note, inbox))  # MPI may still write into them until the abort
+    return False
 
 
 def _at_exit() -> None:
