@@ -16,8 +16,6 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from collectives import Communicator, run_threads
 
 from .measure import SweepResult, SweepSpec, measure, progress_steps
@@ -28,7 +26,8 @@ from .progress import ProgressBar
 def rank_sweep(
     spec: SweepSpec, *, tune: bool = False, probe: bool = False, progress: bool | None = None
 ) -> Callable[[Communicator], SweepResult]:
-    """What each rank runs: optional probe/tune, the measurement, then auto's choices.
+    """What each rank runs: a tune, a probe, or else (for all-reduce) the quick calibration that
+    `collectives.init()` runs by default; the measurement; then auto's choices.
 
     `progress`: draw a bar on rank 0's stderr (None: only if stderr is a terminal).
     """
@@ -38,8 +37,8 @@ def rank_sweep(
             comm.tune()
         elif probe:
             comm.probe()
-        if spec.collective == "allreduce":
-            comm.allreduce(np.zeros(1, np.float32))  # untimed: the first auto call (calibrates where asked)
+        elif spec.collective == "allreduce":
+            comm.calibrate()
         with ProgressBar(progress_steps(spec), enabled=False if comm.rank else progress) as bar:
             rows = measure(comm, spec, bar.advance)
         choices: dict[int, str] = {}
@@ -66,7 +65,7 @@ def as_launched_rank(sweep: Callable[[Communicator], SweepResult], output_path: 
     """Inside a launched job: measure on this rank; rank 0 writes the result for the parent."""
     import collectives
 
-    comm = collectives.init()
+    comm = collectives.init(autotune="off")  # the sweep tunes, probes or calibrates as asked
     result = sweep(comm)
     if comm.rank == 0:
         with open(output_path, "w") as output:

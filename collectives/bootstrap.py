@@ -36,6 +36,11 @@ ENV_ADDRESSES = "COLLECTIVES_ADDRESSES"
 ENV_SECRET = "COLLECTIVES_SECRET"
 """Shared secret every gRPC rank proves it holds; it never travels (docs/security.md)."""
 
+ENV_AUTOTUNE = "COLLECTIVES_AUTOTUNE"
+"""What `init()` measures so that `algorithm="auto"` chooses well: "calibrate" (the default),
+"tune" or "off"."""
+_AUTOTUNE_MODES: dict[str, bool | str] = {"calibrate": "calibrate", "tune": True, "off": False}
+
 BACKENDS = ("mpi", "grpc", "threads")
 
 _MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
@@ -62,6 +67,7 @@ def init(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    autotune: str | None = None,
 ) -> Communicator:
     """Create this process's communicator and make it the default one.
 
@@ -70,6 +76,10 @@ def init(
         timeout: seconds each collective may take before `CollectiveTimeoutError` (gRPC also waits
             this long for peers to start).
         segment_bytes: pipelining granularity of the algorithms.
+        autotune: "calibrate" (`Communicator.calibrate()`: the cached tuning for this layout, else
+            a sub-second timing of every candidate, so that `algorithm="auto"` chooses from
+            measurements), "tune" (the full `tune()`, cached) or "off" (the model on default
+            link costs); None reads COLLECTIVES_AUTOTUNE, else "calibrate".
 
     Returns:
         The communicator; also returned by `default_communicator()` from now on. In a TF_CONFIG
@@ -80,6 +90,7 @@ def init(
     chosen = backend if backend is not None else detect_backend(os.environ)
     if chosen is not None and chosen not in BACKENDS:
         raise ValueError(f"unknown backend {chosen!r}; expected one of {BACKENDS}")
+    mode = _autotune_mode(autotune, os.environ)
     transport = _make_transport(chosen, timeout)
     logs.configure(transport.rank)
     _emulate_nodes(transport, os.environ)
@@ -87,6 +98,10 @@ def init(
     servers = _parameter_server_tasks(chosen)
     if servers:
         comm = ps_tasks.start(transport, comm, servers)  # a ps task serves here and exits
+    if mode is True:
+        comm.tune()
+    elif mode == "calibrate":
+        comm.calibrate()
     if os.environ.get(ENV_TIMELINE):
         timeline.synchronize_clocks(comm)  # before any trace event, so every rank's events share rank 0's clock
     if chosen is None:
@@ -106,6 +121,16 @@ def init(
     )
     _default = comm
     return comm
+
+
+def _autotune_mode(autotune: str | None, environ: Mapping[str, str]) -> bool | str:
+    """`init()`'s autotune argument, else COLLECTIVES_AUTOTUNE, else "calibrate", as the value
+    `Communicator(autotune=...)` takes; a ValueError naming the choices for anything else."""
+    name = autotune if autotune is not None else environ.get(ENV_AUTOTUNE) or "calibrate"
+    if name not in _AUTOTUNE_MODES:
+        source = "autotune" if autotune is not None else ENV_AUTOTUNE
+        raise ValueError(f"{source}={name!r} is not an autotune mode; expected one of {tuple(_AUTOTUNE_MODES)}")
+    return _AUTOTUNE_MODES[name]
 
 
 def _node_hosts(comm: Communicator) -> list[str]:

@@ -79,12 +79,12 @@ class Communicator:
         transport: this rank's endpoint (threads, MPI, gRPC, ...).
         timeout: seconds each collective may take before failing with `CollectiveTimeoutError`.
         segment_bytes: pipelining granularity of the algorithms.
-        autotune: what the first all-reduce with `algorithm="auto"` runs before choosing: True, the
-            full `tune()` (which reuses a cached tuning file when there is one); "calibrate", the
-            quick pass (`selection.tuning.calibrate`: the cached tuning, else a sub-second timing of
-            every candidate); False, nothing (the model on default link costs until `probe()` or
-            `tune()`). Either pass is a collective run inside that call, so every rank must pass the
-            same value and make its first auto all-reduce at the same point, blocking or async.
+        autotune: what construction runs, after the ranks have met, so that `algorithm="auto"`
+            chooses from measurements: True, the full `tune()` (which reuses a cached tuning file
+            when there is one); "calibrate", the quick `calibrate()`; False, nothing (the model on
+            default link costs until `probe()`, `calibrate()` or `tune()`). Construction is a
+            collective already, so every rank runs the pass at the same point; every rank must
+            pass the same value. `collectives.init()` calibrates by default.
     """
 
     def __init__(
@@ -106,14 +106,20 @@ class Communicator:
         hosts = self._sequencer.run_setup(_SETUP_HEADER, lambda group: _exchange_hosts(group, transport.host))
         self.topology = Topology(hosts)
         self._selector = self._new_selector(DEFAULT_LINK_COSTS)
-        if autotune not in (True, False, "calibrate"):
-            raise ValueError(f"autotune must be True, False or 'calibrate', got {autotune!r}")
-        self._tuning_pending: str | None = "tune" if autotune is True else "calibrate" if autotune else None
-        """What the first `auto` all-reduce runs before choosing; None once done or tuned."""
         self._work_space = np.empty(0, dtype=np.uint8)
         """Scratch kept between collectives (see `_reusable_work_space`)."""
         self._duplicates = itertools.count()
         """Numbers this communicator's `dup` calls, the same way on every rank."""
+        try:
+            if autotune is True:
+                self.tune()
+            elif autotune == "calibrate":
+                self.calibrate()
+            elif autotune is not False:
+                raise ValueError(f"autotune must be True, False or 'calibrate', got {autotune!r}")
+        except BaseException:
+            self.close()
+            raise
 
     # -- identity ---------------------------------------------------------------------------------
 
@@ -476,14 +482,13 @@ class Communicator:
         transport = self._sequencer.call(b"dup", run)
         twin = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes)
         twin._selector = self._selector
-        twin._tuning_pending = self._tuning_pending
         return twin
 
     # -- algorithm selection ----------------------------------------------------------------------
 
     def explain(self, nbytes: int) -> Explanation:
         """What `algorithm="auto"` would choose for an all-reduce of `nbytes`, and why: the predicted
-        (and, after `tune()` or the first `auto` all-reduce, corrected) time of every candidate.
+        (and, after `calibrate()` or `tune()`, corrected) time of every candidate.
         `print()` it for a table."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -516,10 +521,19 @@ class Communicator:
         """
         if self.size == 1:
             return Tuning(())
-        self._tuning_pending = None  # its own all-reduces (op="max" over the timings) use auto
         costs, tuning = load_or_measure(
             self, sizes, backend=type(self._transport).__name__, cache_dir=cache_dir, use_cache=use_cache
         )
+        self._selector = self._new_selector(costs, tuning)
+        return tuning
+
+    def calibrate(self) -> Tuning:
+        """The quick, sub-second version of `tune()` (a collective; `selection.tuning.calibrate`):
+        the cached tuning for this layout when there is one, else a probe and every candidate timed
+        at a few sizes. Not saved: only `tune()` writes the cache."""
+        if self.size == 1:
+            return Tuning(())
+        costs, tuning = calibrate(self, backend=type(self._transport).__name__)
         self._selector = self._new_selector(costs, tuning)
         return tuning
 
@@ -552,12 +566,6 @@ class Communicator:
             else:
                 registry.runnable(algorithm, self.topology)  # unknown or unfit: a ValueError saying so
             return algorithm
-        pending, self._tuning_pending = self._tuning_pending, None
-        if pending == "tune":
-            self.tune()
-        elif pending == "calibrate" and self.size > 1:
-            costs, tuning = calibrate(self, backend=type(self._transport).__name__)
-            self._selector = self._new_selector(costs, tuning)
         return self._selector.choose(nbytes, native_fits=dtype in self._transport.native_dtypes)
 
     def _reusable_work_space(self, like: np.ndarray) -> np.ndarray:

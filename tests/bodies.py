@@ -195,7 +195,19 @@ def missing_rank_timeout(comm: Communicator) -> None:
     raise AssertionError(f"rank {last}: the communicator still works after the others gave up on it")
 
 
+def init_calibrated(comm: Communicator) -> None:
+    """`init()` with its default autotune: auto's model is corrected by measurements taken at
+    construction, every rank chooses alike, and auto's result is right."""
+    explanation = comm.explain(4096)
+    assert explanation.tuned, f"rank {comm.rank}: init() did not calibrate: {explanation}"
+    choices = np.array([comm.algorithms.index(comm.explain(n).choice) for n in (4096, 1 << 20)], np.int64)
+    assert_identical_everywhere(comm, choices, "auto's choices")
+    result = comm.allreduce(np.full(1000, comm.rank + 1, np.float32))
+    np.testing.assert_array_equal(result, np.full(1000, comm.size * (comm.size + 1) // 2, np.float32))
+
+
 BODIES: dict[str, Callable[[Communicator], None]] = {
+    "init_calibrated": init_calibrated,
     "algorithm_mismatch": algorithm_mismatch,
     "missing_rank_timeout": missing_rank_timeout,
     "allreduce_every_algorithm": allreduce_every_algorithm,

@@ -8,6 +8,7 @@ float64 (or exact integer) numpy reference without shipping inputs around.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import zlib
@@ -19,6 +20,11 @@ import pytest
 
 import collectives
 from collectives import CollectiveError
+
+os.environ.setdefault("COLLECTIVES_AUTOTUNE", "off")
+"""`init()` calibrates by default, a fraction of a second of collectives per job; the suite's many
+jobs start without it, so that their failure tests meet the collectives they provoke, and the
+tests of the calibration itself ask for it."""
 
 ALGORITHMS: tuple[str, ...] = tuple(collectives.allreduce_algorithms())
 """Named all-reduce algorithms."""

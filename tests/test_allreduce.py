@@ -214,8 +214,8 @@ flat ring."""
 def test_auto_resolves_by_size_and_topology(
     world_size: int, ranks_per_node: Any, small_choice: str, large_choice: str
 ) -> None:
-    """Before the first all-reduce the model on default link costs chooses as listed; auto then
-    (calibrated by its first call) resolves, on every rank alike, to what `explain` says the
+    """Without calibration the model on default link costs chooses as listed; auto resolves, on
+    every rank alike, to what `explain` says the
     selector chooses (the lowest corrected time), records it in `last_algorithm`, and gives the
     right result; an explicit name is recorded as given."""
     small = np.ones(16, np.float32)

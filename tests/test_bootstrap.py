@@ -34,6 +34,28 @@ def test_unknown_backend_is_refused() -> None:
         collectives.init("tcp")
 
 
+@pytest.mark.parametrize(
+    ("argument", "environ", "expected"),
+    [
+        (None, {}, "calibrate"),
+        (None, {"COLLECTIVES_AUTOTUNE": ""}, "calibrate"),
+        (None, {"COLLECTIVES_AUTOTUNE": "tune"}, True),
+        ("off", {"COLLECTIVES_AUTOTUNE": "tune"}, False),  # the argument wins
+    ],
+)
+def test_autotune_mode(argument: str | None, environ: dict[str, str], expected: bool | str) -> None:
+    """init() calibrates unless told otherwise, by its argument or COLLECTIVES_AUTOTUNE."""
+    assert bootstrap._autotune_mode(argument, environ) == expected
+
+
+def test_unknown_autotune_mode_is_refused_before_anything_starts(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="autotune='fast' is not an autotune mode"):
+        collectives.init("threads", autotune="fast")
+    monkeypatch.setenv("COLLECTIVES_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="COLLECTIVES_AUTOTUNE='yes' is not an autotune mode"):
+        collectives.init("threads")
+
+
 def test_init_without_a_launcher_is_one_rank_and_says_so(monkeypatch, caplog) -> None:
     """Nothing detected: a working size-1 communicator, announced once at info level, that
     becomes the default communicator."""

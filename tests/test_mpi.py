@@ -95,6 +95,7 @@ def mpirun(
     """Run `mpiexec [options] -n N python ARGS...` from the repository root; fail on a hang."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_", "MPIR_CVAR_"))}
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
+    environ["COLLECTIVES_AUTOTUNE"] = os.environ["COLLECTIVES_AUTOTUNE"]  # see conftest
     environ.update(env or {})
     command = [MPIEXEC, *options, "-n", str(n), sys.executable, *args]
     start = time.monotonic()

@@ -49,10 +49,25 @@ def test_bodies_over_grpc_with_the_launcher(ranks: int, per_node: int | None, bo
     assert_every_rank_passed(run_job([*command, RUN_BODY, *bodies]), ranks, bodies)
 
 
-@pytest.mark.skipif(
+@pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[grpc])")
+def test_init_calibrates_by_default_over_grpc() -> None:
+    command = [sys.executable, "-m", "collectives.launch", "-n", "2", RUN_BODY, "init_calibrated"]
+    assert_every_rank_passed(run_job(command, {"COLLECTIVES_AUTOTUNE": ""}), 2, ["init_calibrated"])
+
+
+needs_mpiexec = pytest.mark.skipif(
     importlib.util.find_spec("mpi4py") is None or not os.access(MPIEXEC, os.X_OK),
     reason="mpi4py / mpiexec not installed (.[mpi])",
 )
+
+
+@needs_mpiexec
+def test_init_calibrates_by_default_over_mpi() -> None:
+    command = [MPIEXEC, "-n", "2", sys.executable, RUN_BODY, "init_calibrated"]
+    assert_every_rank_passed(run_job(command, {"COLLECTIVES_AUTOTUNE": ""}), 2, ["init_calibrated"])
+
+
+@needs_mpiexec
 @pytest.mark.parametrize(("ranks", "per_node", "bodies"), BODY_SETS)
 def test_bodies_over_mpi_with_mpiexec(ranks: int, per_node: int | None, bodies: list[str]) -> None:
     env = {"COLLECTIVES_RANKS_PER_NODE": str(per_node)} if per_node else None

@@ -19,9 +19,9 @@ files' contents. Rank 0 alone writes it, through a scratch file renamed into pla
 never sees half a file. Files live in `$COLLECTIVES_TUNING_DIR`, else `$XDG_CACHE_HOME/collectives`,
 else ~/.cache/collectives; `python -m collectives.selection.tuning show|clear` lists or deletes them.
 
-Without an explicit `tune()`, the first `auto` all-reduce calls `calibrate`: the cached tuning
-when there is one, else a quick pass (a probe, then `QUICK_ROUNDS` rounds at `QUICK_SIZES`) that
-corrects the model where it errs most, at small sizes, and up to a few MiB, from where on its
+`Communicator.calibrate()` (what `collectives.init()` runs by default) is `calibrate`: the cached
+tuning when there is one, else a quick pass (a probe, then `QUICK_ROUNDS` rounds at `QUICK_SIZES`)
+that corrects the model where it errs most, at small sizes, and up to a few MiB, from where on its
 corrections hold.
 """
 
@@ -55,7 +55,7 @@ ROUNDS = 11
 """Timed calls of each candidate at each size (after one untimed warm-up call)."""
 
 QUICK_SIZES = (4 << 10, 1 << 20, 4 << 20)
-"""Sizes of the quick pass at the first `auto` all-reduce: where the model misses the library's
+"""Sizes of the quick pass (`calibrate`): where the model misses the library's
 cost per call and per message, and one large enough to catch a candidate that is slow per byte
 (MPI's polled native all-reduce); 64 MiB would take the pass over a second on threads."""
 
@@ -141,9 +141,9 @@ def load_or_measure(
 
 
 def calibrate(comm: Communicator, *, backend: str) -> tuple[LinkCosts, Tuning]:
-    """What the first `auto` all-reduce of a communicator that was not tuned uses (a collective):
-    the cached tuning for this layout when there is one, else a quick pass: a probe, then every
-    candidate timed at `QUICK_SIZES` within `QUICK_BUDGET`. The quick pass is not saved: only
+    """What `Communicator.calibrate()` uses (a collective): the cached tuning for this layout when
+    there is one, else a quick pass: a probe, then every candidate timed at `QUICK_SIZES` within
+    `QUICK_BUDGET`. The quick pass is not saved: only
     `tune()`'s fuller one is."""
     path, fingerprint = _cache_path(comm, backend, None)
     if (cached := _read_shared(comm, path, fingerprint)) is not None:
