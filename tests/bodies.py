@@ -195,11 +195,12 @@ def missing_rank_timeout(comm: Communicator) -> None:
     raise AssertionError(f"rank {last}: the communicator still works after the others gave up on it")
 
 
-def init_calibrated(comm: Communicator) -> None:
-    """`init()` with its default autotune: auto's model is corrected by measurements taken at
-    construction, every rank chooses alike, and auto's result is right."""
+def calibrated(comm: Communicator) -> None:
+    """A communicator built calibrating (`init()`'s default; `autotune="calibrate"`, see
+    `AUTOTUNE`): auto's model is corrected by measurements taken at construction, every rank
+    chooses alike, and auto's result is right."""
     explanation = comm.explain(4096)
-    assert explanation.tuned, f"rank {comm.rank}: init() did not calibrate: {explanation}"
+    assert explanation.tuned, f"rank {comm.rank}: the communicator was not calibrated: {explanation}"
     choices = np.array([comm.algorithms.index(comm.explain(n).choice) for n in (4096, 1 << 20)], np.int64)
     assert_identical_everywhere(comm, choices, "auto's choices")
     result = comm.allreduce(np.full(1000, comm.rank + 1, np.float32))
@@ -207,7 +208,7 @@ def init_calibrated(comm: Communicator) -> None:
 
 
 BODIES: dict[str, Callable[[Communicator], None]] = {
-    "init_calibrated": init_calibrated,
+    "calibrated": calibrated,
     "algorithm_mismatch": algorithm_mismatch,
     "missing_rank_timeout": missing_rank_timeout,
     "allreduce_every_algorithm": allreduce_every_algorithm,
@@ -215,3 +216,7 @@ BODIES: dict[str, Callable[[Communicator], None]] = {
     "parameter_server_variants": parameter_server_variants,
     "shape_mismatch": shape_mismatch,
 }
+
+AUTOTUNE: dict[str, str] = {"calibrated": "calibrate"}
+"""What a body needs its communicator built with, where the in-process tests build it (processes
+get it from `init()`'s default)."""

@@ -51,8 +51,8 @@ def test_bodies_over_grpc_with_the_launcher(ranks: int, per_node: int | None, bo
 
 @pytest.mark.skipif(importlib.util.find_spec("grpc") is None, reason="grpcio not installed (.[grpc])")
 def test_init_calibrates_by_default_over_grpc() -> None:
-    command = [sys.executable, "-m", "collectives.launch", "-n", "2", RUN_BODY, "init_calibrated"]
-    assert_every_rank_passed(run_job(command, {"COLLECTIVES_AUTOTUNE": ""}), 2, ["init_calibrated"])
+    command = [sys.executable, "-m", "collectives.launch", "-n", "2", RUN_BODY, "calibrated"]
+    assert_every_rank_passed(run_job(command, {"COLLECTIVES_AUTOTUNE": ""}), 2, ["calibrated"])
 
 
 needs_mpiexec = pytest.mark.skipif(
@@ -63,8 +63,8 @@ needs_mpiexec = pytest.mark.skipif(
 
 @needs_mpiexec
 def test_init_calibrates_by_default_over_mpi() -> None:
-    command = [MPIEXEC, "-n", "2", sys.executable, RUN_BODY, "init_calibrated"]
-    assert_every_rank_passed(run_job(command, {"COLLECTIVES_AUTOTUNE": ""}), 2, ["init_calibrated"])
+    command = [MPIEXEC, "-n", "2", sys.executable, RUN_BODY, "calibrated"]
+    assert_every_rank_passed(run_job(command, {"COLLECTIVES_AUTOTUNE": ""}), 2, ["calibrated"])
 
 
 @needs_mpiexec
