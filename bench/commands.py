@@ -89,7 +89,11 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         how = (
             "tuned (comm.tune(): every algorithm timed at 4 KiB, 1 MiB, 64 MiB; cached)"
             if tune
-            else ("the cost model on probed link costs" if args.probe else "the cost model on default link costs")
+            else (
+                "the cost model on probed link costs"
+                if args.probe
+                else "calibrated as init() does (comm.calibrate(): the cached tuning, else a quick timing)"
+            )
         )
         header += f";\n# auto = {how}"
     print(f"# {header}")
