@@ -8,11 +8,14 @@ as a CuPy array is written in place. Skipped, with the reason, where CuPy or a G
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import ALGORITHMS, DTYPES, LARGE_COUNT, SEGMENT_BYTES, assert_reduced, make_input, same_bits, valid_ops
+from processes import run_bounded
 
 import collectives
 
@@ -133,3 +136,21 @@ def test_a_host_rank_and_a_device_rank_agree_bit_for_bit_on_max() -> None:
     first, second = collectives.run_threads(body, 2)
     assert same_bits(first, second)
     assert_reduced(first, inputs, "max")
+
+
+STAGED_CHECK = Path(__file__).with_name("gpu_scripts") / "staged_check.py"
+
+
+@pytest.mark.parametrize("backend", ["mpi", "grpc"])
+def test_staged_backends_move_device_arrays(backend: str) -> None:
+    """Two processes on the one GPU, under the launcher: every algorithm on CuPy arrays through
+    pinned host memory (MPI's native all-reduce included)."""
+    if backend == "mpi" and importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4py is not installed (the mpi extra)")
+    if backend == "grpc" and importlib.util.find_spec("grpc") is None:
+        pytest.skip("grpcio is not installed (the grpc extra)")
+    command = [sys.executable, "-m", "collectives.launch", "-n", "2", "--backend", backend, str(STAGED_CHECK)]
+    job = run_bounded(command, timeout=300, merge_stderr=True)
+    assert job.returncode == 0, job.stdout
+    for rank in range(2):
+        assert f"rank {rank}: staged ok" in job.stdout, job.stdout
