@@ -154,3 +154,33 @@ def test_staged_backends_move_device_arrays(backend: str) -> None:
     assert job.returncode == 0, job.stdout
     for rank in range(2):
         assert f"rank {rank}: staged ok" in job.stdout, job.stdout
+
+
+def _tensorflow_gpu_missing() -> str | None:
+    if importlib.util.find_spec("tensorflow") is None:
+        return "TensorFlow is not installed (the tf extra)"
+    import tensorflow as tf
+
+    return None if tf.config.list_logical_devices("GPU") else "TensorFlow sees no GPU"
+
+
+_TF_MISSING = _tensorflow_gpu_missing() if _MISSING is None else None  # TensorFlow is imported only beside a GPU
+
+
+@pytest.mark.skipif(_TF_MISSING is not None, reason=_TF_MISSING or "")
+def test_eager_gpu_tensors_travel_through_dlpack() -> None:
+    """An eager GPU tensor is all-reduced as a CuPy view of its memory (DLPack) and comes back as
+    a GPU tensor, on every rank alike."""
+    import tensorflow as tf
+
+    from collectives import strategies
+
+    def body(comm: collectives.Communicator) -> np.ndarray:
+        with tf.device("/GPU:0"):
+            tensor = tf.fill([1000], float(comm.rank + 1))
+        result = strategies.allreduce(tensor, "sum", comm)
+        assert "GPU" in result.device, result.device
+        return result.numpy()
+
+    for result in collectives.run_threads(body, 2):
+        np.testing.assert_array_equal(result, np.full(1000, 3.0, np.float32))
