@@ -314,19 +314,6 @@ def check_buffer(buf: Buffer) -> None:
         )
 
 
-def check_host_buffer(buf: Buffer, transport: str) -> None:
-    """`check_buffer`, and a TypeError for device memory, which `transport` cannot read: the MPI of
-    the `mpich` wheel is not CUDA-aware (it would be handed a device pointer) and gRPC serialises
-    host bytes."""
-    check_buffer(buf)
-    if not isinstance(buf, np.ndarray):
-        raise TypeError(
-            f"the {transport} transport moves host memory only, got a device array "
-            f"({type(buf).__module__}.{type(buf).__name__}); copy it to the host first (cupy.asnumpy), "
-            f"or all-reduce device arrays on the threads backend"
-        )
-
-
 ENV_RANKS_PER_NODE = "COLLECTIVES_RANKS_PER_NODE"
 """Emulates nodes of this many ranks on one machine, for every backend."""
 

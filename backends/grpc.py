@@ -156,7 +156,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from . import _grpc_config as wire
-from .base import Consume, LockRequest, Transport, check_host_buffer, wait_first
+from .base import Consume, LockRequest, Transport, check_buffer, wait_first
 from .errors import (
     LIBRARY_TAGS,
     BackendUnavailableError,
@@ -965,7 +965,9 @@ class GrpcTransport(Transport):
         return request
 
     def _check(self, buf: np.ndarray, peer: int, tag: int, header: bytes) -> None:
-        check_host_buffer(buf, "gRPC")
+        check_buffer(buf)
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"the grpc backend moves numpy arrays, got {type(buf).__name__}")
         if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
             raise ValueError(f"rank {self.rank}: peer {peer!r} is outside the world of size {self.size}")
         if not 0 <= tag < LIBRARY_TAGS:

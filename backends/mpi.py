@@ -120,7 +120,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Transport, check_host_buffer, emulated_host
+from .base import Transport, check_buffer, emulated_host
 from .errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -636,7 +636,7 @@ class MPITransport(Transport):
     def isend(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> Any:
         if (self._abort is not None and abort_reaches(tag, self._abort_since)) or self._closed:
             return _Failed(self._stopped())
-        check_host_buffer(buf, "MPI")
+        check_buffer(buf)
         self._check_peer(dst)
         size = buf.nbytes
         prefix = self._prefixes.get((header, size)) or self._prefix(header, size)
@@ -660,7 +660,7 @@ class MPITransport(Transport):
     def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> Any:
         if (self._abort is not None and abort_reaches(tag, self._abort_since)) or self._closed:
             return _Failed(self._stopped())
-        check_host_buffer(buf, "MPI")
+        check_buffer(buf)
         if not buf.flags.writeable:
             raise ValueError("receive buffers must be writeable")
         self._check_peer(src)
@@ -872,8 +872,8 @@ class MPITransport(Transport):
                 f"native_allreduce needs src and dst of one dtype and size, "
                 f"got {src.dtype}[{src.size}] and {dst.dtype}[{dst.size}]"
             )
-        check_host_buffer(src, "MPI")
-        check_host_buffer(dst, "MPI")
+        check_buffer(src)
+        check_buffer(dst)
         datatype = self._datatypes.get(src.dtype)
         if datatype is None:
             known = ", ".join(str(d) for d in self._datatypes)

@@ -14,25 +14,16 @@ before it (`abort_reaches`), so that a slower rank still finishing one of them c
 
 `ThreadTransport.dup` gives every rank an endpoint of a fabric of its own (`ThreadFabric.derived`),
 which is how a communicator is duplicated.
-
-Device buffers (CuPy) are posted as `DeviceRequest`s, which carry an event recorded on the
-poster's stream, and delivered by one device copy (`device.copy_bytes`) that waits for both sides'
-events and has finished on the GPU before either request completes. A fused reduction of device
-data (`irecv_reduce`) first copies the message onto the receiver's device (the sender's buffer
-may be on another GPU, which a kernel on the receiver's could not read without peer access) and
-waits for the reduction's kernels too.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
-from . import device
-from .base import Buffer, Consume, LockRequest, Transport, check_buffer, wait_first
+from .base import Consume, LockRequest, Transport, check_buffer, wait_first
 from .errors import (
     MismatchError,
     PeerLostError,
@@ -86,10 +77,7 @@ class ThreadFabric:
         check_buffer(buf)
         if not 0 <= peer < self.size:
             raise ValueError(f"rank {rank}: peer {peer} is outside the world of size {self.size}")
-        if device.is_device(buf):
-            request: LockRequest = DeviceRequest(kind, rank, peer, tag, buf, header, consume)
-        else:
-            request = LockRequest(kind, rank, peer, tag, buf, header, consume)
+        request = LockRequest(kind, rank, peer, tag, buf, header, consume)
         with self._lock:
             if self._abort is not None or self._closed:
                 abort = self._abort if abort_reaches(tag, self._abort_since) else None
@@ -192,19 +180,6 @@ class ThreadFabric:
             request._finish(PeerLostError(f"rank {request.rank}: rank {rank} closed its transport during a collective"))
 
 
-class DeviceRequest(LockRequest):
-    """A posted send or receive of a device buffer: `ready` completes once the kernels the poster
-    had enqueued (what wrote or still reads the buffer) have finished."""
-
-    __slots__ = ("ready",)
-
-    def __init__(
-        self, kind: str, rank: int, peer: int, tag: int, buf: Buffer, header: bytes, consume: Consume | None = None
-    ) -> None:
-        LockRequest.__init__(self, kind, rank, peer, tag, buf, header, consume)
-        self.ready = device.ready_event(buf)
-
-
 def _deliver(send: LockRequest, recv: LockRequest) -> None:
     """Copy a matched message straight from the sender's buffer, or fail both sides saying what
     each had."""
@@ -213,31 +188,9 @@ def _deliver(send: LockRequest, recv: LockRequest) -> None:
         send._finish(MismatchError(*error.args))  # its own object: each rank's raise adds its own traceback
         recv._finish(error)
         return
-    if type(send) is DeviceRequest or type(recv) is DeviceRequest:
-        failure = _receive_on_device(send, recv)
-    else:
-        failure = receive_payload(recv, send.buf)
+    failure = receive_payload(recv, send.buf)
     send._finish()
     recv._finish(failure)
-
-
-def _receive_on_device(send: LockRequest, recv: LockRequest) -> PeerLostError | None:
-    """`receive_payload` where either side is device memory: one device copy after both sides'
-    events, finished on the GPU; a reduction gets the message in the receiver's memory and its
-    kernels are waited for."""
-    after = (getattr(send, "ready", None), getattr(recv, "ready", None))
-    if recv.consume is None:
-        device.copy_bytes(recv.buf, send.buf, after)
-        return None
-    target = recv.buf
-    staged: Any = device.scratch_like(target) if device.is_device(target) else np.empty(target.size, target.dtype)
-    device.copy_bytes(staged, send.buf, after)
-    if not device.is_device(staged):
-        return receive_payload(recv, staged)
-    with staged.device:  # the reduction's kernels on the receiver's GPU, whichever thread delivers
-        failure = receive_payload(recv, staged)
-        device.synchronize(staged)
-    return failure
 
 
 class ThreadTransport(Transport):

@@ -142,12 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-o", "--op", default=None, help="sum, prod, max, min or mean (reducing collectives; default sum)"
     )
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="where the buffers live: cpu (numpy) or cuda (CuPy arrays on the GPU; needs the gpu extra)",
-    )
     parser.add_argument("-r", "--root", type=int, default=0, help="broadcast root (default 0)")
     parser.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations per algorithm and placement")
     parser.add_argument("-i", "--iters", type=int, default=9, help="timed iterations per algorithm and placement")
@@ -254,9 +248,7 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     else:
         default = (FIXED_ALGORITHM[collective],)
         known = set(default)
-    if args.device == "cuda":
-        check_gpu()
-    if args.device == "cpu" and raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):
+    if raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):
         default = (*default, RAW)
         known.add(RAW)
     algorithms = asked_algorithms(args, ranks, known) or default
@@ -295,23 +287,7 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         root=args.root,
         warmup=args.warmup,
         iterations=args.iters,
-        device=args.device,
     )
-
-
-def check_gpu() -> None:
-    """A UsageError saying what is missing where --device cuda cannot run: CuPy, or a GPU."""
-    from collectives.backends.errors import BackendUnavailableError
-    from collectives.core.arrays import cupy
-
-    try:
-        count = cupy().cuda.runtime.getDeviceCount()
-    except BackendUnavailableError as error:
-        raise UsageError(f"--device cuda: {error}") from None
-    except Exception as error:  # noqa: BLE001 - CUDA's own error says why (no driver, no device)
-        raise UsageError(f"--device cuda: CuPy finds no usable GPU: {error}") from None
-    if count < 1:
-        raise UsageError("--device cuda: CuPy finds no GPU")
 
 
 def asked_algorithms(args: argparse.Namespace, ranks: int, known: set[str]) -> tuple[str, ...]:

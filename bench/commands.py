@@ -45,8 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.emulate_nodes is not None and not args.worker_output:
             args = netns.resolve_arguments(args)
         if args.backend == "simulated":
-            if args.device != "cpu":
-                raise UsageError("the simulated backend moves no data: --device cuda needs threads, mpi or grpc")
             return simulated_command(args)
         if args.grid:
             raise UsageError("--grid needs --backend simulated")

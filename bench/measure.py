@@ -29,7 +29,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -101,26 +100,20 @@ class SweepSpec:
     warmup: int = 2
     iterations: int = 9
     placements: tuple[str, ...] = PLACEMENTS
-    device: str = "cpu"
-    """"cuda": the buffers are CuPy arrays on the GPU of the rank's local index (threads: GPU 0)."""
 
 
 class _Buffers:
-    """One size's buffers on one rank, and the calls that run the collective into them.
-
-    With `device="cuda"` they are CuPy arrays, and a call counts as done once the GPU has finished
-    it (the stream is synchronized inside the timed region), as nccl-tests time theirs."""
+    """One size's buffers on one rank, and the calls that run the collective into them."""
 
     def __init__(self, comm: Communicator, spec: SweepSpec, count: int) -> None:
         self.comm, self.spec = comm, spec
         self.op = ReduceOp.parse(spec.op)
         dtype = np.dtype(spec.dtype)
         size, rank = comm.size, comm.rank
-        self.xp = _device_module(spec.device, comm)
-        self.src = self.xp.asarray(make_input(spec.collective, self.op, rank, size, count, dtype))
+        self.src = make_input(spec.collective, self.op, rank, size, count, dtype)
         self.expected = expected_output(spec.collective, self.op, rank, size, count, dtype, spec.root)
-        self.dst = self.xp.zeros(output_count(spec.collective, count, size), dtype)
-        self.large = self.xp.zeros(
+        self.dst = np.zeros(output_count(spec.collective, count, size), dtype)
+        self.large = np.zeros(
             max(input_count(spec.collective, count, size), output_count(spec.collective, count, size)), dtype
         )
         block = count // size
@@ -135,12 +128,7 @@ class _Buffers:
             self.large.fill(0)
             self.large[self.mine] = self.src
         else:
-            self.large[...] = self.src
-
-    def finish(self) -> None:
-        """Wait for the GPU work enqueued so far (nothing to wait for on the host)."""
-        if self.xp is not np:
-            self.xp.cuda.get_current_stream().synchronize()
+            np.copyto(self.large, self.src)
 
     def run(self, algorithm: str, placement: str) -> np.ndarray:
         """One collective call; returns the array holding this rank's result."""
@@ -166,22 +154,8 @@ class _Buffers:
             return comm.allgather(src, out=out)
         return comm.broadcast(src, spec.root, out=out)
 
-    def wrong(self, result: Any) -> int:
-        host = result if self.xp is np else self.xp.asnumpy(result)
-        return int(np.count_nonzero(host != self.expected))
-
-
-def _device_module(device: str, comm: Communicator) -> Any:
-    """numpy, or CuPy with this thread's current GPU set to the rank's local index modulo the GPUs
-    there are (thread ranks share GPU 0 on a one-GPU machine)."""
-    if device == "cpu":
-        return np
-    from collectives.core.arrays import cupy
-
-    cp = cupy()
-    count = cp.cuda.runtime.getDeviceCount()
-    cp.cuda.Device(comm.local_rank % count).use()
-    return cp
+    def wrong(self, result: np.ndarray) -> int:
+        return int(np.count_nonzero(result != self.expected))
 
 
 def measure(
@@ -215,13 +189,11 @@ def measure(
                 comm.barrier()
                 start = time.perf_counter()
                 result = buffers.run(algorithm, placement)
-                buffers.finish()
                 times[algorithm, placement].append(time.perf_counter() - start)
                 wrong[algorithm, placement] += buffers.wrong(result)
             comm.barrier()
             start = time.perf_counter()
-            buffers.dst[: buffers.src.size] = buffers.src[: buffers.dst.size]
-            buffers.finish()
+            np.copyto(buffers.dst[: buffers.src.size], buffers.src[: buffers.dst.size])
             times[COPY_BOUND, OUT_OF_PLACE].append(time.perf_counter() - start)
             if progress is not None:
                 progress(f"{nbytes} B, iteration {iteration + 1}/{spec.iterations}")

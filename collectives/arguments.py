@@ -7,8 +7,7 @@ only, and touches nothing shared.
 
 Here is also decided where a result goes: into a fresh array, or into the caller's `out` (through
 a contiguous stand-in when `out` is not contiguous, copied back at the end), and what header every
-message of the collective carries, so that ranks that called differently find out. A CuPy input
-gets CuPy results and stand-ins on its own device (`collectives.core.arrays`).
+message of the collective carries, so that ranks that called differently find out.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from collectives.core.arrays import array_module, as_device_array, empty_like_kind, is_device, may_share_memory
 from collectives.core.ops import ReduceOp, check_reduction
 
 
@@ -68,23 +66,16 @@ def checked_root(root: Any, size: int) -> int:
     return int(root)
 
 
-def output_buffers(out: Any, shape: tuple[int, ...], like: Any) -> tuple[Any, Any]:
-    """(the array returned to the caller, the flat contiguous buffer the algorithm writes), of
-    `like`'s dtype and in its memory (host, or its GPU).
+def output_buffers(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(the array returned to the caller, the flat contiguous buffer the algorithm writes).
 
     They share memory unless `out` is not contiguous; `copy_back` then moves the result over.
     """
-    dtype = like.dtype
     if out is None:
-        result = empty_like_kind(like, shape, dtype)
+        result = np.empty(shape, dtype=dtype)
         return result, result.reshape(-1)
-    if is_device(like):
-        xp = array_module(like)
-        if not isinstance(out, xp.ndarray) or out.device.id != like.device.id:
-            where = f"on device {out.device.id}" if isinstance(out, xp.ndarray) else f"a {type(out).__name__}"
-            raise TypeError(f"out must be a cupy array on device {like.device.id}, like the input; got {where}")
-    elif not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy array, like the input; got {type(out).__name__}")
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
     if out.shape != tuple(shape) or out.dtype != dtype:
         raise ValueError(
             f"out must have shape {tuple(shape)} and dtype {dtype}, got shape {out.shape} and dtype {out.dtype}"
@@ -93,19 +84,19 @@ def output_buffers(out: Any, shape: tuple[int, ...], like: Any) -> tuple[Any, An
         raise ValueError("out is read-only")
     if out.flags.c_contiguous:
         return out, out.reshape(-1)
-    return out, empty_like_kind(like, out.size, dtype)
+    return out, np.empty(out.size, dtype=dtype)
 
 
-def flat_view(array: Any) -> Any:
+def flat_view(array: np.ndarray) -> np.ndarray:
     """A 1-D C-contiguous view of `array` (a copy only if it is not contiguous): what algorithms take."""
-    return array_module(array).ascontiguousarray(array).reshape(-1)
+    return np.ascontiguousarray(array).reshape(-1)
 
 
-def copy_back(result: Any, target: Any, source: Any = None) -> Any:
+def copy_back(result: np.ndarray, target: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
     """Move `source` (if given) into `target`, then `target` into `result` if they differ; return `result`."""
-    if source is not None and not may_share_memory(source, target):
+    if source is not None and not np.may_share_memory(source, target):
         target[...] = source
-    if not may_share_memory(result, target):
+    if not np.may_share_memory(result, target):
         result[...] = target.reshape(result.shape)
     return result
 
@@ -138,15 +129,12 @@ _headers: dict[tuple[Any, ...], bytes] = {}
 """Headers already made, by the arguments they were made from (`collective_header`)."""
 
 
-def _as_array(x: Any) -> Any:
-    """The input as a numpy array (a CuPy array for device memory), or a TypeError saying what
-    was expected.
+def _as_array(x: Any) -> np.ndarray:
+    """The input as a numpy array, or a TypeError saying what was expected.
 
     Masked arrays are refused: the mask would not travel, and masked entries would be reduced
     and sent like any other.
     """
-    if not isinstance(x, np.ndarray) and is_device(x):
-        return as_device_array(x)
     if isinstance(x, np.ndarray):
         if type(x) is not np.ndarray and isinstance(x, np.ma.MaskedArray):
             raise TypeError(

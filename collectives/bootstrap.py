@@ -145,18 +145,14 @@ def default_communicator() -> Communicator:
 
 
 def _make_transport(backend: str | None, timeout: float) -> Transport:
-    """The backend's transport; MPI's and gRPC's wrapped in `StagedTransport`, so that CuPy arrays
-    travel through pinned host memory (host arrays pass straight through)."""
-    from collectives.backends.staged import StagedTransport
-
     if backend == "mpi":
         from collectives.backends.mpi import MPITransport
 
-        return StagedTransport(MPITransport.from_environment())
+        return MPITransport.from_environment()
     if backend == "grpc":
         from collectives.backends.grpc import GrpcTransport
 
-        return StagedTransport(GrpcTransport.from_environment(startup_timeout=timeout))
+        return GrpcTransport.from_environment(startup_timeout=timeout)
     from collectives.backends.threads import ThreadFabric
 
     return ThreadFabric(["localhost"]).endpoint(0)

@@ -52,7 +52,6 @@ from collectives.arguments import (
 )
 from collectives.backends.base import Transport
 from collectives.backends.errors import CollectiveTimeoutError
-from collectives.core.arrays import empty_like_kind, is_device, may_share_memory
 from collectives.core.group import Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, finalize
@@ -235,7 +234,7 @@ class Communicator:
             supported = ", ".join(str(d) for d in self._transport.native_dtypes)
             raise TypeError(f"algorithm 'native' cannot reduce {src.dtype} on this backend; it supports {supported}")
         self.last_algorithm = chosen
-        result, target = output_buffers(out, src.shape, src)
+        result, target = output_buffers(out, src.shape, src.dtype)
         flat = flat_view(src)
         if self.size == 1:
             return _Local(copy_back(result, target, flat))
@@ -297,7 +296,7 @@ class Communicator:
         row_items = math.prod(src.shape[1:])
         bounds = [row * row_items for row in rows]
         shape = (rows[self.rank + 1] - rows[self.rank], *src.shape[1:])
-        result, target = output_buffers(out, shape, src)
+        result, target = output_buffers(out, shape, src.dtype)
         flat = flat_view(src)
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
@@ -329,7 +328,7 @@ class Communicator:
         src = transfer_input(x)
         rows = src.shape[0] if src.ndim else 1
         shape = (self.size * rows, *src.shape[1:])
-        result, target = output_buffers(out, shape, src)
+        result, target = output_buffers(out, shape, src.dtype)
         bounds = [rank * src.size for rank in range(self.size + 1)]
         flat = flat_view(src)
         own = slice(bounds[self.rank], bounds[self.rank + 1])
@@ -358,13 +357,13 @@ class Communicator:
     def _broadcast_plan(self, x: Any, root: int, out: np.ndarray | None) -> _Plan:
         root = checked_root(root, self.size)
         src = transfer_input(x)
-        result, target = output_buffers(out, src.shape, src)
+        result, target = output_buffers(out, src.shape, src.dtype)
         flat = flat_view(src)
         if self.size == 1:
             return _Local(copy_back(result, target, flat))
 
         def run(group: Group) -> np.ndarray:
-            if group.rank == root and not may_share_memory(target, flat):
+            if group.rank == root and not np.may_share_memory(target, flat):
                 target[...] = flat
             drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
@@ -426,7 +425,7 @@ class Communicator:
             table[rank * size : (rank + 1) * size] = counts
             drive(count_group, ring_allgather_steps(count_group, table, [r * size for r in range(size + 1)]))
             received = np.ascontiguousarray(table.reshape(size, size)[:, rank])
-            result = empty_like_kind(src, (int(received.sum()), *row_shape), src.dtype)
+            result = np.empty((int(received.sum()), *row_shape), dtype=src.dtype)
             send_bounds = [0, *np.cumsum(counts * row_items).tolist()]
             receive_bounds = [0, *np.cumsum(received * row_items).tolist()]
             data_group = group.subgroup(range(size), tags.rest())
@@ -523,7 +522,7 @@ class Communicator:
         if self.size == 1:
             return Tuning(())
         costs, tuning = load_or_measure(
-            self, sizes, backend=_backend_name(self._transport), cache_dir=cache_dir, use_cache=use_cache
+            self, sizes, backend=type(self._transport).__name__, cache_dir=cache_dir, use_cache=use_cache
         )
         self._selector = self._new_selector(costs, tuning)
         return tuning
@@ -534,7 +533,7 @@ class Communicator:
         at a few sizes. Not saved: only `tune()` writes the cache."""
         if self.size == 1:
             return Tuning(())
-        costs, tuning = calibrate(self, backend=_backend_name(self._transport))
+        costs, tuning = calibrate(self, backend=type(self._transport).__name__)
         self._selector = self._new_selector(costs, tuning)
         return tuning
 
@@ -575,11 +574,8 @@ class Communicator:
         A reduce-scatter needs the whole input's size as work space but returns one block; a fresh
         buffer per call costs a page fault per 4 KiB on first touch, which made a 64 MiB
         reduce-scatter as slow as a whole all-reduce. Collectives run one at a time, so one buffer,
-        grown to the largest size asked for and freed by `close()`, serves them all. Device
-        scratch comes from CuPy's memory pool instead, which already reuses freed blocks.
+        grown to the largest size asked for and freed by `close()`, serves them all.
         """
-        if is_device(like):
-            return empty_like_kind(like, like.size, like.dtype)
         if self._work_space.nbytes < like.nbytes:
             self._work_space = np.empty(like.nbytes, dtype=np.uint8)
         return self._work_space[: like.nbytes].view(like.dtype)
@@ -646,9 +642,3 @@ def _exchange_hosts(group: Group, host: str) -> tuple[str, ...]:
         drive(group, ring_allgather_steps(group, table, bounds))
     rows = table.reshape(group.size, _HOST_RECORD_BYTES)
     return tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows)
-
-
-def _backend_name(transport: Transport) -> str:
-    """The transport's class name, which keys the tuning cache; a wrapping transport (host staging
-    of device arrays) names the transport it wraps."""
-    return type(getattr(transport, "inner", transport)).__name__

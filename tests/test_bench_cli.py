@@ -8,7 +8,6 @@ are produced, and the scaling model shows what it is meant to show.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import json
 import pickle
@@ -106,18 +105,11 @@ def test_auto_is_tuned_unless_told_otherwise() -> None:
         (["-c", "broadcast", "-r", "4"], "root"),
         (["-o", "median"], "unknown reduction op"),
         (["-d", "float16", "-n", "64"], "float16"),
-        (["--backend", "simulated", "--device", "cuda"], "moves no data"),
     ],
 )
 def test_inconsistent_options_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
-
-
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
-def test_device_cuda_without_cupy_says_what_to_install(capsys: pytest.CaptureFixture) -> None:
-    assert main(["--device", "cuda", "-b", "4K", "-e", "4K"]) == 2
-    assert "pip install -e '.[gpu]'" in capsys.readouterr().err
 
 
 def test_bus_factors_follow_nccl_tests() -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.algorithms.registry import AllReduceAlgorithm, ignoring_nodes, register
-from collectives.core.arrays import empty_like_kind
 from collectives.core.group import Group
 from collectives.core.layout import segment_items, segments, stream_pieces
 from collectives.core.ops import ReduceOp, combine, finalize
@@ -49,7 +48,7 @@ def direct_allreduce_steps(
     size, me = group.size, group.rank
     tag = group.tags.allocator().tag("direct exchange")
     step = segment_items(src.itemsize, segment_bytes)
-    scratch = empty_like_kind(src, (size, min(step, src.size)), src.dtype)
+    scratch = np.empty((size, min(step, src.size)), dtype=src.dtype)
     peers = [(me + shift) % size for shift in range(1, size)]
     for lo, hi in segments(0, src.size, step):
         pieces = scratch[:, : hi - lo]

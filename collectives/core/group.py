@@ -12,14 +12,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn, Protocol
 
 import numpy as np
 
 from collectives.backends.base import Request, Transport
 from collectives.backends.errors import CollectiveError, CollectiveTimeoutError, MismatchError
 from collectives.backends.matching import mismatch_error
-from collectives.core.arrays import empty_like_kind, is_device
 from collectives.core.tags import TagRange
 
 _CHECK_INTERVAL = 0.05
@@ -164,13 +163,6 @@ class Group:
             f"rank {self.transport.rank}: {kind} member {peer} on tag {tag}, outside this group's tags "
             f"[{self._tag_start}, {self._tag_stop}) ({self.tags.owner}); take tags from the group's allocator"
         )
-
-    def scratch(self, count: int, like: Any) -> Any:
-        """A buffer of `count` items of `like`'s dtype, where `like` lives: on its GPU for a device
-        array, else the transport's own kind (`Transport.empty`; the simulator's cost nothing)."""
-        if is_device(like):
-            return empty_like_kind(like, count, like.dtype)
-        return self.transport.empty(count, like.dtype)
 
     @property
     def fuses_receive_reduce(self) -> bool:

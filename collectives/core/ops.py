@@ -5,10 +5,6 @@ and `finalize(op, buf, contributors)` (the last step of `mean`). The kernels are
 which are already as fast as memory allows for float32/float64/int32/int64; float16 goes through
 numba kernels (`_half`) because numpy's float16 arithmetic runs at a few percent of memory speed.
 Float16 is accumulated in float32 and rounded once per step, like NCCL does.
-
-CuPy arrays take the same calls: numpy's ufuncs hand them to CuPy (`__array_ufunc__`), whose
-kernels run on the arrays' device, float16 included (CuPy computes float16 in float32 and rounds
-once, as the numba kernels do).
 """
 
 from __future__ import annotations
@@ -73,7 +69,7 @@ def check_reduction(op: ReduceOp, dtype: np.dtype) -> None:
 
 def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out = a op b elementwise (for `mean` this is the sum; `finalize` divides at the end)."""
-    if out.dtype == np.float16 and isinstance(out, np.ndarray):
+    if out.dtype == np.float16:
         from collectives.core import _half  # numba is loaded on the first float16 reduction, not at import
 
         _half.half_reduce(_HALF_KERNEL_NAMES[op], a, b, out)
@@ -85,7 +81,7 @@ def finalize(op: ReduceOp, buf: np.ndarray, contributors: int) -> None:
     """Apply the last step of `op` to a fully reduced buffer (divide by the count for `mean`)."""
     if op is not ReduceOp.MEAN or contributors == 1 or buf.size == 0:
         return
-    if buf.dtype == np.float16 and isinstance(buf, np.ndarray):
+    if buf.dtype == np.float16:
         from collectives.core import _half
 
         _half.half_scale(buf, contributors)

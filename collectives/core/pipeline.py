@@ -55,12 +55,12 @@ class ReduceStream:
         self._fused = fuse and group.fuses_receive_reduce
         self._depth = min(PIPELINE_DEPTH, len(self._spans))
         longest = max((hi - lo for lo, hi in self._spans), default=0)
-        # From the transport, like any buffer it receives into (on the simulated backend's
-        # timing-only runs that costs no memory), or on the target's GPU.
+        # From the transport, like any buffer it receives into: on the simulated backend's
+        # timing-only runs that costs no memory.
         self._slots = (
             np.empty((0, 0), dtype=target.dtype)  # unused: segments are reduced where they arrive
             if self._fused
-            else group.scratch(self._depth * longest, target).reshape(self._depth, longest)
+            else group.transport.empty(self._depth * longest, target.dtype).reshape(self._depth, longest)
         )
         self._posted: deque[tuple[Pending, int, int, np.ndarray | None]] = deque()
         self._next_to_post = 0
