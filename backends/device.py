@@ -53,6 +53,21 @@ def cupy_module() -> ModuleType:
     return cupy
 
 
+def gpu_unavailable_reason() -> str | None:
+    """Why device arrays cannot be used in this process (CuPy missing, or no GPU), or None."""
+    try:
+        cupy = cupy_module()
+    except BackendUnavailableError as error:
+        return str(error)
+    try:
+        available = cupy.cuda.is_available()
+    except Exception as error:  # noqa: BLE001 - a broken driver install is a reason like any other
+        return f"CuPy cannot reach the CUDA driver: {error!r}"
+    if not available:
+        return "CuPy finds no CUDA GPU (cupy.cuda.is_available() is False); the GPU path needs an NVIDIA GPU and driver"
+    return None
+
+
 class Runtime(Protocol):
     """What the library asks of the GPU; `CupyRuntime` is the real one."""
 

@@ -297,3 +297,23 @@ def test_numpy_buffers_never_reach_the_runtime() -> None:
     with installed() as gpu:
         collectives.run_threads(lambda comm: [comm.allreduce(np.ones(1000), algorithm=a) for a in ("ring", "tree")], 3)
     assert gpu.log == []
+
+
+# -- bench -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["threads", "mpi", "simulated"])
+def test_bench_on_cuda_without_cupy_is_one_line(
+    backend: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from collectives.bench.commands import main
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    previous = device.use_runtime(None)
+    try:
+        assert main(["--device", "cuda", "--backend", backend, "-b", "4K", "-e", "4K"]) == 2
+    finally:
+        device.use_runtime(previous)
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and error.startswith("python -m bench: error: --device cuda")
+    assert ("simulated backend" in error) if backend == "simulated" else ("'.[gpu]'" in error)
