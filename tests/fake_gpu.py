@@ -1,10 +1,13 @@
-"""A fake GPU for the CPU tests: device arrays that are numpy arrays, and a runtime that logs.
+"""Stand-ins for the device tests: a fake GPU, and a transport that moves host memory only.
 
 `FakeDeviceArray` is a numpy array that carries `__cuda_array_interface__` and a `device`, so the
 library treats it as a device array (an MPI or gRPC transport refuses it, staging copies it through
 pinned buffers) while numpy still computes with it. `FakeRuntime` does what `CupyRuntime` does with
 numpy copies, and records every call in `log`, so a test can check what happened in which order.
 Install one with `installed()`.
+
+`HostOnlyThreads` is the threads backend made to refuse device arrays the way MPI and gRPC do, so
+that staging can be tested in one process, on the fake GPU or on a real one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from collectives.backends import device
+from collectives.backends.base import Buffer, Consume, LockRequest, check_host_buffer
+from collectives.backends.threads import ThreadTransport
 
 
 class FakeDeviceArray(np.ndarray):
@@ -155,3 +160,24 @@ def installed() -> Iterator[FakeRuntime]:
         yield fake
     finally:
         device.use_runtime(previous)
+
+
+class HostOnlyThreads(ThreadTransport):
+    """The threads backend as a host-memory transport: refuses device arrays like MPI and gRPC."""
+
+    needs_host_staging = True
+
+    def isend(self, buf: Buffer, dst: int, tag: int, header: bytes) -> LockRequest:
+        check_host_buffer(buf, "host-only threads")
+        return super().isend(buf, dst, tag, header)
+
+    def irecv(self, buf: Buffer, src: int, tag: int, header: bytes) -> LockRequest:
+        check_host_buffer(buf, "host-only threads")
+        return super().irecv(buf, src, tag, header)
+
+    def irecv_reduce(self, buf: Buffer, src: int, tag: int, header: bytes, consume: Consume) -> LockRequest:
+        check_host_buffer(buf, "host-only threads")
+        return super().irecv_reduce(buf, src, tag, header, consume)
+
+    def dup(self, key: int) -> HostOnlyThreads:
+        return HostOnlyThreads(self.fabric.derived(key, self.rank), self.rank)

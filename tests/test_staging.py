@@ -1,9 +1,9 @@
 """`StagedTransport` on the fake GPU of `fake_gpu`, over threads that accept host memory only.
 
-The inner transport here is the threads backend made to refuse device arrays the way MPI and gRPC
-do (`check_host_buffer`) and to say `needs_host_staging`, so every device buffer that reaches it
-went through the staging: the pool, the order of copies and posts, completion, errors and abort
-run here without a GPU or an MPI launch. test_gpu.py runs the real thing over MPI and gRPC.
+The inner transport here is `HostOnlyThreads`, the threads backend made to refuse device arrays the
+way MPI and gRPC do, so every device buffer that reaches it went through the staging: the pool, the
+order of copies and posts, completion, errors and abort run here without a GPU or an MPI launch.
+test_gpu.py runs the real thing over MPI and gRPC.
 """
 
 from __future__ import annotations
@@ -14,38 +14,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fake_gpu import FakeDeviceArray, FakeRuntime, installed, on_device
+from fake_gpu import FakeDeviceArray, FakeRuntime, HostOnlyThreads, installed, on_device
 
 import collectives
 from collectives import Communicator
-from collectives.backends.base import Buffer, Consume, LockRequest, check_host_buffer
+from collectives.backends.base import Buffer, LockRequest, check_host_buffer
 from collectives.backends.errors import CollectiveError, MismatchError
 from collectives.backends.staged import PinnedPool, StagedRequest, StagedTransport, with_host_staging
-from collectives.backends.threads import ThreadFabric, ThreadTransport
+from collectives.backends.threads import ThreadFabric
 
 H = b"allreduce algorithm=ring dtype=float64 shape=(5,) op=sum"
 WAIT = 10.0
-
-
-class HostOnlyThreads(ThreadTransport):
-    """The threads backend as a host-memory transport: refuses device arrays like MPI and gRPC."""
-
-    needs_host_staging = True
-
-    def isend(self, buf: Buffer, dst: int, tag: int, header: bytes) -> LockRequest:
-        check_host_buffer(buf, "host-only threads")
-        return super().isend(buf, dst, tag, header)
-
-    def irecv(self, buf: Buffer, src: int, tag: int, header: bytes) -> LockRequest:
-        check_host_buffer(buf, "host-only threads")
-        return super().irecv(buf, src, tag, header)
-
-    def irecv_reduce(self, buf: Buffer, src: int, tag: int, header: bytes, consume: Consume) -> LockRequest:
-        check_host_buffer(buf, "host-only threads")
-        return super().irecv_reduce(buf, src, tag, header, consume)
-
-    def dup(self, key: int) -> HostOnlyThreads:
-        return HostOnlyThreads(self.fabric.derived(key, self.rank), self.rank)
 
 
 @pytest.fixture
