@@ -108,6 +108,8 @@ class Communicator:
         timeout = checked_timeout(timeout)
         if segment_bytes < 1:
             raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
+        self._backend = type(transport).__name__
+        """The backend's name (tuning cache, messages): the transport's, not its staging's."""
         transport = with_host_staging(transport)
         self._transport = transport
         self._sequencer = Sequencer(transport, timeout)
@@ -475,7 +477,7 @@ class Communicator:
         """
         if not self._transport.duplicable:
             raise NotImplementedError(
-                f"the {type(self._transport).__name__} backend cannot duplicate a communicator; "
+                f"the {self._backend} backend cannot duplicate a communicator; "
                 f"call its collectives from one thread at a time instead"
             )
         key = next(self._duplicates)
@@ -486,6 +488,7 @@ class Communicator:
 
         transport = self._sequencer.call(b"dup", run)
         twin = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes)
+        twin._backend = self._backend
         twin._selector = self._selector
         twin._tuning_pending = self._tuning_pending
         return twin
@@ -528,9 +531,7 @@ class Communicator:
         if self.size == 1:
             return Tuning(())
         self._tuning_pending = None  # its own all-reduces (op="max" over the timings) use auto
-        costs, tuning = load_or_measure(
-            self, sizes, backend=type(self._transport).__name__, cache_dir=cache_dir, use_cache=use_cache
-        )
+        costs, tuning = load_or_measure(self, sizes, backend=self._backend, cache_dir=cache_dir, use_cache=use_cache)
         self._selector = self._new_selector(costs, tuning)
         return tuning
 
@@ -558,7 +559,7 @@ class Communicator:
                 if not self._transport.has_native_allreduce:
                     raise ValueError(
                         f"algorithm 'native' needs a backend with its own all-reduce (MPI, NCCL); "
-                        f"{type(self._transport).__name__} has none"
+                        f"{self._backend} has none"
                     )
             else:
                 registry.runnable(algorithm, self.topology)  # unknown or unfit: a ValueError saying so
@@ -567,7 +568,7 @@ class Communicator:
         if pending == "tune":
             self.tune()
         elif pending == "calibrate" and self.size > 1:
-            costs, tuning = calibrate(self, backend=type(self._transport).__name__)
+            costs, tuning = calibrate(self, backend=self._backend)
             self._selector = self._new_selector(costs, tuning)
         return self._selector.choose(nbytes, native_fits=dtype in self._transport.native_dtypes)
 
