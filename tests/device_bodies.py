@@ -3,8 +3,8 @@
 Each body takes a communicator whose ranks all use GPU 0, puts its inputs on the device, and
 checks that results come back as CuPy arrays on the input's device, match the float64 reference
 of `bodies.py`, and are bit-identical on every rank. test_gpu.py runs them over threads; as a
-script (`python device_bodies.py NAME...`, under `mpiexec` or `python -m collectives.launch`) they
-run over MPI or gRPC, which `Communicator` stages through pinned host memory.
+script (`python device_bodies.py NAME...`, under `mpiexec` or `python -m collectives.launch`, run
+like `run_body.py`) they run over MPI or gRPC, which `Communicator` stages through pinned host memory.
 """
 
 from __future__ import annotations
@@ -118,14 +118,8 @@ DEVICE_BODIES: dict[str, Callable[[Communicator], None]] = {
 }
 
 
-def main(names: list[str]) -> int:
-    comm = collectives.init(timeout=60)
-    for name in names:
-        DEVICE_BODIES[name](comm)
-        print(f"rank {comm.rank}: {name} ok", flush=True)
-    comm.close()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import run_body
+
+    run_body.BODIES.update(DEVICE_BODIES)  # run_body runs the bodies it finds in that table by name
+    sys.exit(run_body.main(sys.argv[1:]))
