@@ -286,6 +286,10 @@ class Transport(abc.ABC):
     duplicable: bool = False
     """Whether `dup` is available."""
 
+    needs_host_staging: bool = False
+    """Whether this transport moves host memory only, so that device buffers must be staged
+    through host memory for it (`backends.staged.StagedTransport`, which `Communicator` applies)."""
+
     def dup(self, key: int) -> Transport:
         """A new endpoint over the same ranks, whose messages, aborts and closing are its own.
 
@@ -308,6 +312,24 @@ def check_buffer(buf: Buffer) -> None:
     """Reject buffers the contract does not allow, with a message saying what was expected."""
     if not isinstance(buf, np.ndarray) and not hasattr(buf, "__cuda_array_interface__"):
         raise TypeError(f"transport buffers must be arrays, got {type(buf).__name__}")
+    _check_shape(buf)
+
+
+def check_host_buffer(buf: Buffer, backend: str) -> None:
+    """`check_buffer` for a transport that moves host memory only: a device array is refused
+    (handed its pointer, the engine would read device memory as host memory)."""
+    if type(buf) is not np.ndarray and hasattr(buf, "__cuda_array_interface__"):
+        raise TypeError(
+            f"the {backend} transport moves host memory and got a device array ({type(buf).__name__}); "
+            f"device buffers go through host staging: wrap the transport in "
+            f"collectives.backends.staged.StagedTransport (Communicator does so by itself)"
+        )
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"the {backend} transport moves numpy arrays, got {type(buf).__name__}")
+    _check_shape(buf)
+
+
+def _check_shape(buf: Buffer) -> None:
     if buf.ndim != 1 or not buf.flags.c_contiguous:
         raise ValueError(
             f"transport buffers must be 1-D and C-contiguous, got ndim={buf.ndim}, contiguous={buf.flags.c_contiguous}"

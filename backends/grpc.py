@@ -156,7 +156,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from . import _grpc_config as wire
-from .base import Consume, LockRequest, Transport, check_buffer, wait_first
+from .base import Consume, LockRequest, Transport, check_host_buffer, wait_first
 from .errors import (
     LIBRARY_TAGS,
     BackendUnavailableError,
@@ -481,6 +481,7 @@ class GrpcTransport(Transport):
     """
 
     fuses_receive_reduce = False
+    needs_host_staging = True
 
     def __init__(
         self,
@@ -965,9 +966,7 @@ class GrpcTransport(Transport):
         return request
 
     def _check(self, buf: np.ndarray, peer: int, tag: int, header: bytes) -> None:
-        check_buffer(buf)
-        if not isinstance(buf, np.ndarray):
-            raise TypeError(f"the grpc backend moves numpy arrays, got {type(buf).__name__}")
+        check_host_buffer(buf, "gRPC")
         if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
             raise ValueError(f"rank {self.rank}: peer {peer!r} is outside the world of size {self.size}")
         if not 0 <= tag < LIBRARY_TAGS:
@@ -1590,6 +1589,7 @@ class GrpcDuplicate(Transport):
     """
 
     fuses_receive_reduce = False
+    needs_host_staging = True
     duplicable = True
 
     def __init__(self, transport: GrpcTransport, context: int) -> None:

@@ -23,17 +23,22 @@ included). A pair that agrees is completed with
 `receive_payload` (into the receive's buffer, or through its reduction) or, by the simulator,
 with `copy_payload` at the message's virtual arrival time. How messages travel, when they
 arrive, and what holding one costs (gRPC's per-peer limit) stays in each backend.
+
+Either buffer may be a device array (the threads backend moves CuPy arrays): the payload is then
+copied on the GPU after the events the backend recorded when each side was posted, and the
+receive completes only once the copy or the reduction has finished there (`backends.device`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 import numpy as np
 
-from .base import Buffer, LockRequest, PostedRequest
+from .base import Buffer, Consume, LockRequest, PostedRequest
+from .device import Event, is_device, runtime
 from .errors import MismatchError, PeerLostError
 
 K = TypeVar("K", bound=Hashable)
@@ -187,29 +192,62 @@ def check(receive: PostedRequest, header: bytes, nbytes: int) -> MismatchError |
     return mismatch_error(receive.rank, receive.peer, receive.tag, receive.header, receive.nbytes, header, nbytes)
 
 
-def copy_payload(target: np.ndarray, source: np.ndarray) -> None:
-    """Copy a message into a receive buffer of the same byte size.
+def copy_payload(target: Buffer, source: Buffer, after: Sequence[Event] = ()) -> None:
+    """Copy a message into a receive buffer of the same byte size, finished when this returns.
 
     Dtypes may differ: the bytes are copied as they are (the header is what guards dtype agreement).
+    A copy to or from a device array runs on the GPU once the events `after` have happened.
     """
-    if source.dtype == target.dtype:
+    if is_device(target) or is_device(source):
+        runtime().copy(target, source, after)
+    elif source.dtype == target.dtype:
         np.copyto(target, source)
     else:
         np.copyto(target.view(np.uint8), source.view(np.uint8))
 
 
-def receive_payload(receive: LockRequest, payload: Buffer) -> PeerLostError | None:
+def receive_payload(receive: LockRequest, payload: Buffer, after: Sequence[Event] = ()) -> PeerLostError | None:
     """Give a checked message to `receive`: to its reduction (`consume`), or copied into its buffer.
 
-    Returns the error to complete the receive with when the reduction raised (the failure is the
-    receiver's, so the sender's side completes normally), else None.
+    `after`: the events recorded when the two sides were posted, which device work must follow.
+    Returns the error to complete the receive with when the copy or the reduction raised (the
+    failure is the receiver's, so the sender's side completes normally), else None.
     """
     consume = receive.consume
-    if consume is None:
-        copy_payload(receive.buf, payload)
-        return None
     try:
-        consume(payload)
+        if consume is None:
+            copy_payload(receive.buf, payload, after)
+        elif is_device(receive.buf) or is_device(payload):
+            _consume_on_device(consume, receive.buf, payload, after)
+        else:
+            consume(payload)
     except BaseException as failure:  # noqa: BLE001 - reported to the receiver, not the sender
-        return PeerLostError(f"rank {receive.rank}: reducing the message from rank {receive.peer} failed: {failure!r}")
+        doing = "receiving" if consume is None else "reducing"
+        return PeerLostError(f"rank {receive.rank}: {doing} the message from rank {receive.peer} failed: {failure!r}")
     return None
+
+
+def _consume_on_device(consume: Consume, expected: Buffer, payload: Buffer, after: Sequence[Event]) -> None:
+    """A fused reduction where a device is involved, finished on the GPU when this returns.
+
+    The reduction reads the sender's buffer in place only when it lives on the receive buffer's
+    own device. A kernel on one device reading another's memory needs peer access, which not
+    every pair of GPUs has (and which CuPy does not enable by itself), and a host payload cannot
+    be read by a device kernel at all (nor a device payload by numpy); so otherwise the message is
+    first copied into scratch where the receive buffer lives (`memcpyDefault` moves bytes between
+    any two places) and reduced from there.
+    """
+    gpu = runtime()
+    if is_device(expected) and is_device(payload) and gpu.same_device(expected, payload):
+        gpu.call_after(lambda: consume(payload), expected, after)
+        return
+    if is_device(expected):
+        incoming = gpu.empty(expected.size, expected.dtype, expected)
+        after = (*after, gpu.ready(incoming))
+    else:
+        incoming = np.empty(expected.size, dtype=expected.dtype)
+    gpu.copy(incoming, payload, after)
+    if is_device(expected):
+        gpu.call_after(lambda: consume(incoming), expected, after)
+    else:
+        consume(incoming)

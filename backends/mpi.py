@@ -120,7 +120,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Transport, check_buffer, emulated_host
+from .base import Transport, check_host_buffer, emulated_host
 from .errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -512,6 +512,7 @@ class MPITransport(Transport):
     """
 
     has_native_allreduce = True
+    needs_host_staging = True
 
     def __init__(self, comm: Any, *, spin_seconds: float | None = None) -> None:
         MPI = _mpi()
@@ -636,7 +637,7 @@ class MPITransport(Transport):
     def isend(self, buf: np.ndarray, dst: int, tag: int, header: bytes) -> Any:
         if (self._abort is not None and abort_reaches(tag, self._abort_since)) or self._closed:
             return _Failed(self._stopped())
-        check_buffer(buf)
+        check_host_buffer(buf, "MPI")
         self._check_peer(dst)
         size = buf.nbytes
         prefix = self._prefixes.get((header, size)) or self._prefix(header, size)
@@ -660,7 +661,7 @@ class MPITransport(Transport):
     def irecv(self, buf: np.ndarray, src: int, tag: int, header: bytes) -> Any:
         if (self._abort is not None and abort_reaches(tag, self._abort_since)) or self._closed:
             return _Failed(self._stopped())
-        check_buffer(buf)
+        check_host_buffer(buf, "MPI")
         if not buf.flags.writeable:
             raise ValueError("receive buffers must be writeable")
         self._check_peer(src)
@@ -872,8 +873,8 @@ class MPITransport(Transport):
                 f"native_allreduce needs src and dst of one dtype and size, "
                 f"got {src.dtype}[{src.size}] and {dst.dtype}[{dst.size}]"
             )
-        check_buffer(src)
-        check_buffer(dst)
+        check_host_buffer(src, "MPI")
+        check_host_buffer(dst, "MPI")
         datatype = self._datatypes.get(src.dtype)
         if datatype is None:
             known = ", ".join(str(d) for d in self._datatypes)

@@ -14,6 +14,12 @@ before it (`abort_reaches`), so that a slower rank still finishing one of them c
 
 `ThreadTransport.dup` gives every rank an endpoint of a fabric of its own (`ThreadFabric.derived`),
 which is how a communicator is duplicated.
+
+Device arrays (CuPy) move the same way, device to device (`cudaMemcpyDefault` also crosses
+devices, and host and device): posting a device buffer records an event on the poster's current
+stream, the copy (or fused reduction) waits for both sides' events on a transfer stream, and the
+requests complete only once it has finished on the GPU (`matching.receive_payload`,
+`backends.device`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .base import Consume, LockRequest, Transport, check_buffer, wait_first
+from .device import Event, is_device, runtime
 from .errors import (
     MismatchError,
     PeerLostError,
@@ -77,7 +84,10 @@ class ThreadFabric:
         check_buffer(buf)
         if not 0 <= peer < self.size:
             raise ValueError(f"rank {rank}: peer {peer} is outside the world of size {self.size}")
-        request = LockRequest(kind, rank, peer, tag, buf, header, consume)
+        if is_device(buf):
+            request: LockRequest = DeviceRequest(kind, rank, peer, tag, buf, header, consume)
+        else:
+            request = LockRequest(kind, rank, peer, tag, buf, header, consume)
         with self._lock:
             if self._abort is not None or self._closed:
                 abort = self._abort if abort_reaches(tag, self._abort_since) else None
@@ -180,6 +190,19 @@ class ThreadFabric:
             request._finish(PeerLostError(f"rank {request.rank}: rank {rank} closed its transport during a collective"))
 
 
+class DeviceRequest(LockRequest):
+    """A posted send or receive of a device buffer: also the point in the poster's stream that
+    the copy must follow (the kernels that produced a send buffer, or still use a receive buffer)."""
+
+    __slots__ = ("ready",)
+
+    def __init__(
+        self, kind: str, rank: int, peer: int, tag: int, buf: object, header: bytes, consume: Consume | None = None
+    ) -> None:
+        LockRequest.__init__(self, kind, rank, peer, tag, buf, header, consume)
+        self.ready: Event = runtime().ready(buf)
+
+
 def _deliver(send: LockRequest, recv: LockRequest) -> None:
     """Copy a matched message straight from the sender's buffer, or fail both sides saying what
     each had."""
@@ -188,9 +211,17 @@ def _deliver(send: LockRequest, recv: LockRequest) -> None:
         send._finish(MismatchError(*error.args))  # its own object: each rank's raise adds its own traceback
         recv._finish(error)
         return
-    failure = receive_payload(recv, send.buf)
+    if type(send) is LockRequest and type(recv) is LockRequest:
+        failure = receive_payload(recv, send.buf)
+    else:
+        failure = receive_payload(recv, send.buf, (_ready(send), _ready(recv)))
     send._finish()
     recv._finish(failure)
+
+
+def _ready(request: LockRequest) -> Event:
+    """The event a device request recorded when posted; None for a host one."""
+    return request.ready if isinstance(request, DeviceRequest) else None
 
 
 class ThreadTransport(Transport):

@@ -2,6 +2,7 @@
 
     python -m bench [-c allreduce] [-a ring,tree,...] [-b 4K -e 64M -f 4] [-d float32] [-o sum]
                     [-w 2 -i 9] [-n 4 --ranks-per-node 2] [--backend threads|mpi|grpc|simulated]
+                    [--device cpu|cuda]
                     [--csv PATH] [--json PATH] [--plot PATH] [--probe | --tune] [--explain]
     python -m bench scaling [--plot PATH] [--csv PATH] [--simulate-up-to 256] [--measured 2,4,8]
     python -m bench scaling --preset piz-daint|p2.xlarge|p2.8xlarge|dgx1|all [--json PATH] [--plot PATH]
@@ -17,6 +18,10 @@ with `--preset` for one published cluster (docs/scaling.md).
 
 Everything is checked here, before any rank starts, so a bad option is one clear line, never a
 traceback from every rank. What each command does is in `collectives.bench.commands`.
+
+`--device cuda` puts every rank's buffers on the GPU (CuPy, the current device: device 0 unless
+CUDA_VISIBLE_DEVICES says otherwise): threads copy device to device, MPI and gRPC stage through
+pinned host memory. Without CuPy or a GPU it stops with one line saying which is missing.
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ from collectives import NATIVE, REDUCTION_DTYPES, allreduce_algorithms
 from collectives.algorithms import registry
 from collectives.algorithms.parameter_server import NAME as PARAMETER_SERVER
 from collectives.algorithms.parameter_server import parameter_server
+from collectives.backends.device import gpu_unavailable_reason
 from collectives.backends.simulated import Link
 from collectives.core.ops import ReduceOp
 
-from .measure import FIXED_ALGORITHM, SweepSpec
+from .measure import DEVICES, FIXED_ALGORITHM, SweepSpec
 from .payloads import COLLECTIVES, REDUCING, check_exact
 from .raw import RAW, raw_row_fits
 from .scaling import PRESETS
@@ -103,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         "`python -m bench scaling --help` for the training-efficiency model.",
     )
     parser.add_argument("--backend", choices=("threads", "mpi", "grpc", "simulated"), default="threads")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the buffers live: cpu (numpy) or cuda (CuPy arrays on the GPU; threads copy on the "
+        "device, mpi and grpc stage through pinned host memory)",
+    )
     parser.add_argument("-c", "--collective", choices=COLLECTIVES, default="allreduce")
     parser.add_argument(
         "-n", "--ranks", type=int, default=None, help="number of ranks (default 4 on threads, 2 otherwise)"
@@ -248,7 +261,8 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     else:
         default = (FIXED_ALGORITHM[collective],)
         known = set(default)
-    if raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):
+    check_device(args)
+    if args.device == "cpu" and raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):
         default = (*default, RAW)
         known.add(RAW)
     algorithms = asked_algorithms(args, ranks, known) or default
@@ -287,7 +301,19 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         root=args.root,
         warmup=args.warmup,
         iterations=args.iters,
+        device=args.device,
     )
+
+
+def check_device(args: argparse.Namespace) -> None:
+    """A clear UsageError where `--device cuda` cannot run: the backend, or no CuPy or GPU here."""
+    if args.device == "cpu":
+        return
+    if args.backend == "simulated":
+        raise UsageError("--device cuda measures real buffers; the simulated backend has none")
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        raise UsageError(f"--device cuda: {reason}")
 
 
 def asked_algorithms(args: argparse.Namespace, ranks: int, known: set[str]) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from .cli import (
     asked_algorithms,
     build_parser,
     build_scaling_parser,
+    check_device,
     ranks_per_node,
     size_range,
     sweep_spec,
@@ -79,7 +80,7 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         f" {spec.op}" if spec.collective in ("allreduce", "reduce_scatter") else ""
     )
     header = (
-        f"{what}, {args.backend} backend, {ranks} ranks"
+        f"{what}{' on the GPU' if spec.device == 'cuda' else ''}, {args.backend} backend, {ranks} ranks"
         f"{f', {layout} per node' if layout else ''}"
         f"{f' on {args.emulate_nodes} emulated nodes, links {args.inter_gbit:g} Gbit/s' if args.emulate_nodes else ''}"
         f";\n# time = median over {spec.iterations} "
@@ -141,6 +142,7 @@ def simulated_command(args: argparse.Namespace) -> int:
 
     if args.collective != "allreduce":
         raise UsageError("--backend simulated compares all-reduce algorithms only")
+    check_device(args)
     if args.grid:
         print(
             f"# the selector's validation grid: sizes {GRID_SIZES[0]} .. {GRID_SIZES[-1]} bytes (x4), every "

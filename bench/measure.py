@@ -18,8 +18,12 @@ from the exact expected result (`collectives.bench.payloads`), summed over ranks
 
 On MPI, a `raw` row times MPI's own all-reduce called straight through mpi4py (`collectives.bench.raw`).
 
+With `device="cuda"` the input and output buffers are CuPy arrays on the current GPU; a call's
+time then includes its GPU work (a collective on device buffers returns once that has finished),
+and results are checked on the host, outside the timed region.
+
 Beside the algorithms, every size gets a `copy-bound` row: all ranks copy their input to their
-output at once, with numpy, and nothing else. Any collective must at least read each input and
+output at once, with numpy (or on the GPU), and nothing else. Any collective must at least read each input and
 write each output, so on a memory-bound machine this is the fastest any algorithm can be; its
 busbw is the ceiling the algorithms are measured against.
 """
@@ -29,10 +33,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from collectives import Communicator
+from collectives.backends.device import runtime
+from collectives.core.arrays import is_device
 from collectives.core.ops import ReduceOp
 
 from .payloads import REDUCING, expected_output, input_count, make_input, output_count
@@ -42,6 +49,9 @@ COPY_BOUND = "copy-bound"
 OUT_OF_PLACE = "out-of-place"
 IN_PLACE = "in-place"
 PLACEMENTS = (OUT_OF_PLACE, IN_PLACE)
+
+DEVICES = ("cpu", "cuda")
+"""Where a sweep's buffers live: host memory (numpy) or the current GPU (CuPy)."""
 
 FIXED_ALGORITHM = {"reduce_scatter": "ring", "allgather": "ring", "broadcast": "tree"}
 """The one algorithm the library has for each collective other than all-reduce."""
@@ -100,6 +110,8 @@ class SweepSpec:
     warmup: int = 2
     iterations: int = 9
     placements: tuple[str, ...] = PLACEMENTS
+    device: str = "cpu"
+    """One of `DEVICES`."""
 
 
 class _Buffers:
@@ -110,11 +122,12 @@ class _Buffers:
         self.op = ReduceOp.parse(spec.op)
         dtype = np.dtype(spec.dtype)
         size, rank = comm.size, comm.rank
-        self.src = make_input(spec.collective, self.op, rank, size, count, dtype)
+        place = runtime().module.asarray if spec.device == "cuda" else np.asarray
+        self.src = place(make_input(spec.collective, self.op, rank, size, count, dtype))
         self.expected = expected_output(spec.collective, self.op, rank, size, count, dtype, spec.root)
-        self.dst = np.zeros(output_count(spec.collective, count, size), dtype)
-        self.large = np.zeros(
-            max(input_count(spec.collective, count, size), output_count(spec.collective, count, size)), dtype
+        self.dst = place(np.zeros(output_count(spec.collective, count, size), dtype))
+        self.large = place(
+            np.zeros(max(input_count(spec.collective, count, size), output_count(spec.collective, count, size)), dtype)
         )
         block = count // size
         self.mine = slice(rank * block, (rank + 1) * block)
@@ -128,7 +141,7 @@ class _Buffers:
             self.large.fill(0)
             self.large[self.mine] = self.src
         else:
-            np.copyto(self.large, self.src)
+            self.large[...] = self.src
 
     def run(self, algorithm: str, placement: str) -> np.ndarray:
         """One collective call; returns the array holding this rank's result."""
@@ -154,8 +167,15 @@ class _Buffers:
             return comm.allgather(src, out=out)
         return comm.broadcast(src, spec.root, out=out)
 
-    def wrong(self, result: np.ndarray) -> int:
-        return int(np.count_nonzero(result != self.expected))
+    def copy_input(self) -> None:
+        """The copy-bound row's work: this rank's input into its output, finished on the device."""
+        self.dst[: self.src.size] = self.src[: self.dst.size]
+        if is_device(self.dst):
+            runtime().synchronize(self.dst)
+
+    def wrong(self, result: Any) -> int:
+        host = result.get() if is_device(result) else result
+        return int(np.count_nonzero(host != self.expected))
 
 
 def measure(
@@ -193,7 +213,7 @@ def measure(
                 wrong[algorithm, placement] += buffers.wrong(result)
             comm.barrier()
             start = time.perf_counter()
-            np.copyto(buffers.dst[: buffers.src.size], buffers.src[: buffers.dst.size])
+            buffers.copy_input()
             times[COPY_BOUND, OUT_OF_PLACE].append(time.perf_counter() - start)
             if progress is not None:
                 progress(f"{nbytes} B, iteration {iteration + 1}/{spec.iterations}")

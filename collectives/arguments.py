@@ -8,6 +8,12 @@ only, and touches nothing shared.
 Here is also decided where a result goes: into a fresh array, or into the caller's `out` (through
 a contiguous stand-in when `out` is not contiguous, copied back at the end), and what header every
 message of the collective carries, so that ranks that called differently find out.
+
+Device arrays (CuPy, or any object with `__cuda_array_interface__`, taken as CuPy without a copy)
+are accepted wherever numpy arrays are; results, stand-ins and copies stay on the input's device
+(`collectives.core.arrays`), and `out` must live where the input does. The header does not say
+where a rank's buffer lives: ranks may mix host and device buffers in one collective, since every
+transport moves bytes between both and the reduction kernels of both give the same bits.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from collectives.core.arrays import array_module, ascontiguous, empty, is_device, may_share_memory
 from collectives.core.ops import ReduceOp, check_reduction
 
 
-def reduction_input(x: Any, op: str | ReduceOp) -> tuple[np.ndarray, ReduceOp]:
+def reduction_input(x: Any, op: str | ReduceOp) -> tuple[Any, ReduceOp]:
     """`x` as an array and `op` parsed, for all-reduce and reduce-scatter.
 
     Raises:
@@ -33,7 +40,7 @@ def reduction_input(x: Any, op: str | ReduceOp) -> tuple[np.ndarray, ReduceOp]:
     return src, op
 
 
-def transfer_input(x: Any) -> np.ndarray:
+def transfer_input(x: Any) -> Any:
     """`x` as an array of a dtype that can be sent as it is, for all-gather and broadcast.
 
     Raises:
@@ -66,43 +73,43 @@ def checked_root(root: Any, size: int) -> int:
     return int(root)
 
 
-def output_buffers(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def output_buffers(out: Any, shape: tuple[int, ...], dtype: np.dtype, like: Any = None) -> tuple[Any, Any]:
     """(the array returned to the caller, the flat contiguous buffer the algorithm writes).
 
-    They share memory unless `out` is not contiguous; `copy_back` then moves the result over.
+    Both live where `like` (the input) lives: numpy (also for None), or `like`'s device. They share memory unless
+    `out` is not contiguous; `copy_back` then moves the result over.
     """
     if out is None:
-        result = np.empty(shape, dtype=dtype)
+        result = empty(shape, dtype, like)
         return result, result.reshape(-1)
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+    _check_out_place(out, like)
     if out.shape != tuple(shape) or out.dtype != dtype:
         raise ValueError(
             f"out must have shape {tuple(shape)} and dtype {dtype}, got shape {out.shape} and dtype {out.dtype}"
         )
-    if not out.flags.writeable:
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out is read-only")
     if out.flags.c_contiguous:
         return out, out.reshape(-1)
-    return out, np.empty(out.size, dtype=dtype)
+    return out, empty(out.size, dtype, out)
 
 
-def flat_view(array: np.ndarray) -> np.ndarray:
+def flat_view(array: Any) -> Any:
     """A 1-D C-contiguous view of `array` (a copy only if it is not contiguous): what algorithms take."""
-    return np.ascontiguousarray(array).reshape(-1)
+    return ascontiguous(array).reshape(-1)
 
 
-def copy_back(result: np.ndarray, target: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
+def copy_back(result: Any, target: Any, source: Any = None) -> Any:
     """Move `source` (if given) into `target`, then `target` into `result` if they differ; return `result`."""
-    if source is not None and not np.may_share_memory(source, target):
+    if source is not None and not may_share_memory(source, target):
         target[...] = source
-    if not np.may_share_memory(result, target):
+    if not may_share_memory(result, target):
         result[...] = target.reshape(result.shape)
     return result
 
 
 def collective_header(
-    collective: str, src: np.ndarray, *, algorithm: str, op: str | None = None, root: int | None = None
+    collective: str, src: Any, *, algorithm: str, op: str | None = None, root: int | None = None
 ) -> bytes:
     """What every message of this collective carries; ranks must agree on all of it.
 
@@ -129,14 +136,20 @@ _headers: dict[tuple[Any, ...], bytes] = {}
 """Headers already made, by the arguments they were made from (`collective_header`)."""
 
 
-def _as_array(x: Any) -> np.ndarray:
-    """The input as a numpy array, or a TypeError saying what was expected.
+def _as_array(x: Any) -> Any:
+    """The input as a numpy or CuPy array, or a TypeError saying what was expected.
 
-    Masked arrays are refused: the mask would not travel, and masked entries would be reduced
+    Other device arrays (with `__cuda_array_interface__`) are wrapped as CuPy arrays without a
+    copy. Masked arrays are refused: the mask would not travel, and masked entries would be reduced
     and sent like any other.
     """
+    if type(x) is np.ndarray:
+        return x
+    if is_device(x):
+        module = array_module(x)
+        return x if isinstance(x, module.ndarray) else module.asarray(x)
     if isinstance(x, np.ndarray):
-        if type(x) is not np.ndarray and isinstance(x, np.ma.MaskedArray):
+        if isinstance(x, np.ma.MaskedArray):
             raise TypeError(
                 "collectives do not take numpy.ma.MaskedArray: the mask would be ignored; pass "
                 "arr.filled(value) with a value that is neutral for the operation (0 for a sum), "
@@ -145,4 +158,15 @@ def _as_array(x: Any) -> np.ndarray:
         return x
     if hasattr(x, "__array__") or isinstance(x, (int, float, list, tuple)):
         return np.asarray(x)
-    raise TypeError(f"expected a numpy array (or array-like), got {type(x).__name__}")
+    raise TypeError(f"expected a numpy or CuPy array (or array-like), got {type(x).__name__}")
+
+
+def _check_out_place(out: Any, like: Any) -> None:
+    """Raise unless `out` is an array living where `like` does (the host, or the same device)."""
+    if is_device(like):
+        if not is_device(out):
+            raise TypeError(f"out must be a device array on the input's device, got {type(out).__name__}")
+        if out.device.id != like.device.id:
+            raise ValueError(f"out must be on the input's device {like.device.id}, got one on device {out.device.id}")
+    elif not isinstance(out, np.ndarray) or is_device(out):
+        raise TypeError(f"out must be a numpy array like the input, got {type(out).__name__}")

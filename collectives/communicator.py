@@ -16,6 +16,13 @@ Every collective is a short composition of three parts:
 Blocking calls are the async ones plus `wait()`. Inputs are read, never written (unless `out` is
 the input); async callers must not modify an input until its `Work` is done.
 
+Device arrays (CuPy) go through every collective and come back on their device. The collective
+starts after the work the caller's current stream had queued when it was called (an event), and
+its `Work` completes once its own GPU work has finished, so the result can be used from any
+stream. Transports that move only host memory (MPI, gRPC) are wrapped at construction in
+`StagedTransport`, which copies device buffers through pinned host memory and lets host buffers
+pass untouched.
+
 One communicator serves one issuer at a time: a thread's call while another thread is inside a
 blocking call raises `ConcurrentUseError` on every rank (the sequencer says why). Threads that
 communicate at the same time each use their own communicator, made with `dup()`.
@@ -51,7 +58,10 @@ from collectives.arguments import (
     transfer_input,
 )
 from collectives.backends.base import Transport
+from collectives.backends.device import runtime
 from collectives.backends.errors import CollectiveTimeoutError
+from collectives.backends.staged import with_host_staging
+from collectives.core.arrays import empty, is_device, may_share_memory
 from collectives.core.group import Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, finalize
@@ -98,6 +108,9 @@ class Communicator:
         timeout = checked_timeout(timeout)
         if segment_bytes < 1:
             raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
+        self._backend = type(transport).__name__
+        """The backend's name (tuning cache, messages): the transport's, not its staging's."""
+        transport = with_host_staging(transport)
         self._transport = transport
         self._sequencer = Sequencer(transport, timeout)
         self.segment_bytes = int(segment_bytes)
@@ -234,13 +247,13 @@ class Communicator:
             supported = ", ".join(str(d) for d in self._transport.native_dtypes)
             raise TypeError(f"algorithm 'native' cannot reduce {src.dtype} on this backend; it supports {supported}")
         self.last_algorithm = chosen
-        result, target = output_buffers(out, src.shape, src.dtype)
+        result, target = output_buffers(out, src.shape, src.dtype, src)
         flat = flat_view(src)
         if self.size == 1:
             return _Local(copy_back(result, target, flat))
         header = collective_header("allreduce", src, algorithm=chosen, op=op.value)
         if chosen == NATIVE:
-            return header, functools.partial(self._native_allreduce, flat, target, result, op)
+            return _planned(header, functools.partial(self._native_allreduce, flat, target, result, op), src)
         nodes, segment_bytes = self.topology.nodes, self.segment_bytes
 
         def run(group: Group) -> np.ndarray:
@@ -248,7 +261,7 @@ class Communicator:
             drive(group, steps)
             return copy_back(result, target)
 
-        return header, run
+        return _planned(header, run, src)
 
     def _native_allreduce(
         self, flat: np.ndarray, target: np.ndarray, result: np.ndarray, op: ReduceOp, group: Group
@@ -296,7 +309,7 @@ class Communicator:
         row_items = math.prod(src.shape[1:])
         bounds = [row * row_items for row in rows]
         shape = (rows[self.rank + 1] - rows[self.rank], *src.shape[1:])
-        result, target = output_buffers(out, shape, src.dtype)
+        result, target = output_buffers(out, shape, src.dtype, src)
         flat = flat_view(src)
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
@@ -310,7 +323,7 @@ class Communicator:
             finalize(op, work_space[mine], self.size)
             return copy_back(result, target, work_space[mine])
 
-        return collective_header("reduce_scatter", src, algorithm="ring", op=op.value), run
+        return _planned(collective_header("reduce_scatter", src, algorithm="ring", op=op.value), run, src)
 
     def allgather(self, x: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Concatenate every rank's `x` (same shape on all ranks) along the first axis, rank order.
@@ -328,7 +341,7 @@ class Communicator:
         src = transfer_input(x)
         rows = src.shape[0] if src.ndim else 1
         shape = (self.size * rows, *src.shape[1:])
-        result, target = output_buffers(out, shape, src.dtype)
+        result, target = output_buffers(out, shape, src.dtype, src)
         bounds = [rank * src.size for rank in range(self.size + 1)]
         flat = flat_view(src)
         own = slice(bounds[self.rank], bounds[self.rank + 1])
@@ -340,7 +353,7 @@ class Communicator:
             drive(group, ring_allgather_steps(group, target, bounds, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
 
-        return collective_header("allgather", src, algorithm="ring"), run
+        return _planned(collective_header("allgather", src, algorithm="ring"), run, src)
 
     def broadcast(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Return rank `root`'s `x` on every rank (pipelined binary tree).
@@ -357,18 +370,18 @@ class Communicator:
     def _broadcast_plan(self, x: Any, root: int, out: np.ndarray | None) -> _Plan:
         root = checked_root(root, self.size)
         src = transfer_input(x)
-        result, target = output_buffers(out, src.shape, src.dtype)
+        result, target = output_buffers(out, src.shape, src.dtype, src)
         flat = flat_view(src)
         if self.size == 1:
             return _Local(copy_back(result, target, flat))
 
         def run(group: Group) -> np.ndarray:
-            if group.rank == root and not np.may_share_memory(target, flat):
+            if group.rank == root and not may_share_memory(target, flat):
                 target[...] = flat
             drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
 
-        return collective_header("broadcast", src, algorithm="tree", root=root), run
+        return _planned(collective_header("broadcast", src, algorithm="tree", root=root), run, src)
 
     def barrier(self) -> None:
         """Return only after every rank has called `barrier`."""
@@ -425,7 +438,7 @@ class Communicator:
             table[rank * size : (rank + 1) * size] = counts
             drive(count_group, ring_allgather_steps(count_group, table, [r * size for r in range(size + 1)]))
             received = np.ascontiguousarray(table.reshape(size, size)[:, rank])
-            result = np.empty((int(received.sum()), *row_shape), dtype=src.dtype)
+            result = empty((int(received.sum()), *row_shape), src.dtype, src)
             send_bounds = [0, *np.cumsum(counts * row_items).tolist()]
             receive_bounds = [0, *np.cumsum(received * row_items).tolist()]
             data_group = group.subgroup(range(size), tags.rest())
@@ -434,7 +447,7 @@ class Communicator:
             )
             return result, received
 
-        return f"alltoall algorithm=pairwise dtype={src.dtype} row_shape={row_shape}".encode(), run
+        return _planned(f"alltoall algorithm=pairwise dtype={src.dtype} row_shape={row_shape}".encode(), run, src)
 
     def _call(self, plan: _Plan) -> Any:
         """Run a planned collective now and return its result (the blocking form)."""
@@ -470,7 +483,7 @@ class Communicator:
         """
         if not self._transport.duplicable:
             raise NotImplementedError(
-                f"the {type(self._transport).__name__} backend cannot duplicate a communicator; "
+                f"the {self._backend} backend cannot duplicate a communicator; "
                 f"call its collectives from one thread at a time instead"
             )
         key = next(self._duplicates)
@@ -481,6 +494,7 @@ class Communicator:
 
         transport = self._sequencer.call(b"dup", run)
         twin = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes)
+        twin._backend = self._backend
         twin._selector = self._selector
         return twin
 
@@ -521,9 +535,7 @@ class Communicator:
         """
         if self.size == 1:
             return Tuning(())
-        costs, tuning = load_or_measure(
-            self, sizes, backend=type(self._transport).__name__, cache_dir=cache_dir, use_cache=use_cache
-        )
+        costs, tuning = load_or_measure(self, sizes, backend=self._backend, cache_dir=cache_dir, use_cache=use_cache)
         self._selector = self._new_selector(costs, tuning)
         return tuning
 
@@ -533,7 +545,7 @@ class Communicator:
         at a few sizes. Not saved: only `tune()` writes the cache."""
         if self.size == 1:
             return Tuning(())
-        costs, tuning = calibrate(self, backend=type(self._transport).__name__)
+        costs, tuning = calibrate(self, backend=self._backend)
         self._selector = self._new_selector(costs, tuning)
         return tuning
 
@@ -561,21 +573,24 @@ class Communicator:
                 if not self._transport.has_native_allreduce:
                     raise ValueError(
                         f"algorithm 'native' needs a backend with its own all-reduce (MPI, NCCL); "
-                        f"{type(self._transport).__name__} has none"
+                        f"{self._backend} has none"
                     )
             else:
                 registry.runnable(algorithm, self.topology)  # unknown or unfit: a ValueError saying so
             return algorithm
         return self._selector.choose(nbytes, native_fits=dtype in self._transport.native_dtypes)
 
-    def _reusable_work_space(self, like: np.ndarray) -> np.ndarray:
+    def _reusable_work_space(self, like: Any) -> Any:
         """Uninitialised scratch of `like`'s size and dtype, kept for the next collective.
 
         A reduce-scatter needs the whole input's size as work space but returns one block; a fresh
         buffer per call costs a page fault per 4 KiB on first touch, which made a 64 MiB
         reduce-scatter as slow as a whole all-reduce. Collectives run one at a time, so one buffer,
-        grown to the largest size asked for and freed by `close()`, serves them all.
+        grown to the largest size asked for and freed by `close()`, serves them all. Device
+        scratch is taken fresh from CuPy's memory pool, which already reuses freed blocks.
         """
+        if is_device(like):
+            return empty(like.size, like.dtype, like)
         if self._work_space.nbytes < like.nbytes:
             self._work_space = np.empty(like.nbytes, dtype=np.uint8)
         return self._work_space[: like.nbytes].view(like.dtype)
@@ -593,6 +608,28 @@ class _Local:
 _Plan = tuple[bytes, Callable[[Group], Any]] | _Local
 """A collective ready to run: the header its messages carry and the function that runs it on its
 group; or, with nothing to exchange, its result."""
+
+
+def _planned(header: bytes, run: Callable[[Group], Any], src: Any) -> _Plan:
+    """The plan of a collective of `src`; for a device array, `run` ordered on the GPU.
+
+    The collective may run on the communication thread, whose current stream is not the
+    caller's: it first waits for an event recorded now on the caller's stream (the kernels that
+    produced `src`, or still read `out`), and synchronizes its own stream before returning, so
+    that the `Work` completes only when the result is on the device.
+    """
+    if not is_device(src):
+        return header, run
+    gpu = runtime()
+    ready = gpu.ready(src)
+
+    def run_on_device(group: Group) -> Any:
+        gpu.wait(ready, src)
+        result = run(group)
+        gpu.synchronize(src)
+        return result
+
+    return header, run_on_device
 
 
 def _run_barrier(group: Group) -> None:

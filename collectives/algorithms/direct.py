@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from collectives.algorithms.registry import AllReduceAlgorithm, ignoring_nodes, register
+from collectives.core.arrays import empty
 from collectives.core.group import Group
 from collectives.core.layout import segment_items, segments, stream_pieces
 from collectives.core.ops import ReduceOp, combine, finalize
@@ -48,7 +49,7 @@ def direct_allreduce_steps(
     size, me = group.size, group.rank
     tag = group.tags.allocator().tag("direct exchange")
     step = segment_items(src.itemsize, segment_bytes)
-    scratch = np.empty((size, min(step, src.size)), dtype=src.dtype)
+    scratch = empty((size, min(step, src.size)), src.dtype, src)
     peers = [(me + shift) % size for shift in range(1, size)]
     for lo, hi in segments(0, src.size, step):
         pieces = scratch[:, : hi - lo]

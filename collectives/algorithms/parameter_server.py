@@ -73,6 +73,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from collectives.algorithms.registry import AllReduceAlgorithm, ignoring_nodes, lookup, register
+from collectives.core.arrays import may_share_memory, scratch
 from collectives.core.group import Group, Pending
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, segment_items, segments
 from collectives.core.ops import ReduceOp, combine, finalize
@@ -256,8 +257,8 @@ def serve_shards(
     longest = max(hi - lo for lo, hi in spans)
     # One row per worker; this member's own row is used only in place, where the first fold
     # overwrites dst[lo:hi], its contribution, before its turn comes.
-    slots = group.transport.empty(depth * workers * longest, dst.dtype).reshape(depth, workers, longest)
-    in_place = me < workers and np.may_share_memory(src, dst)
+    slots = scratch(group.transport, depth * workers * longest, dst).reshape(depth, workers, longest)
+    in_place = me < workers and may_share_memory(src, dst)
     posted: list[dict[int, Pending]] = []
 
     def post(index: int) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from collectives.algorithms.registry import AllReduceAlgorithm, register
+from collectives.core.arrays import empty
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp, combine, finalize
 from collectives.core.schedule import Steps, wait, wait_all
@@ -30,7 +31,7 @@ def reference_allreduce_steps(group: Group, src: np.ndarray, dst: np.ndarray, op
         yield wait(group.isend(src, 0, tag))
         yield wait(group.irecv(dst, 0, tag))
         return
-    contributions = np.empty((p - 1, src.size), dtype=src.dtype)
+    contributions = empty((p - 1, src.size), src.dtype, src)
     yield from wait_all([group.irecv(contributions[peer - 1], peer, tag) for peer in range(1, p)])
     if src is not dst:
         dst[...] = src

@@ -5,13 +5,21 @@ and `finalize(op, buf, contributors)` (the last step of `mean`). The kernels are
 which are already as fast as memory allows for float32/float64/int32/int64; float16 goes through
 numba kernels (`_half`) because numpy's float16 arithmetic runs at a few percent of memory speed.
 Float16 is accumulated in float32 and rounded once per step, like NCCL does.
+
+Device arrays (CuPy) take the same calls: numpy's ufuncs hand them to CuPy (`__array_ufunc__`), so
+the reduction runs on the GPU, on the current stream; float16 goes through CuPy kernels
+(`_half_cuda`) that compute exactly what the numba ones do, so a rank on the host and a rank on a
+GPU get the same bits.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import numpy as np
+
+from collectives.core.arrays import is_device
 
 
 class ReduceOp(str, enum.Enum):
@@ -67,23 +75,33 @@ def check_reduction(op: ReduceOp, dtype: np.dtype) -> None:
         )
 
 
-def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """out = a op b elementwise (for `mean` this is the sum; `finalize` divides at the end)."""
-    if out.dtype == np.float16:
+def combine(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
+    """out = a op b elementwise (for `mean` this is the sum; `finalize` divides at the end).
+
+    The arrays are all numpy or all on one device."""
+    if out.dtype != np.float16:
+        _UFUNCS[op](a, b, out=out)
+    elif is_device(out):
+        from collectives.core import _half_cuda  # CuPy's kernels compile on first use
+
+        _half_cuda.half_reduce(_HALF_KERNEL_NAMES[op], a, b, out)
+    else:
         from collectives.core import _half  # numba is loaded on the first float16 reduction, not at import
 
         _half.half_reduce(_HALF_KERNEL_NAMES[op], a, b, out)
-    else:
-        _UFUNCS[op](a, b, out=out)
 
 
-def finalize(op: ReduceOp, buf: np.ndarray, contributors: int) -> None:
+def finalize(op: ReduceOp, buf: Any, contributors: int) -> None:
     """Apply the last step of `op` to a fully reduced buffer (divide by the count for `mean`)."""
     if op is not ReduceOp.MEAN or contributors == 1 or buf.size == 0:
         return
-    if buf.dtype == np.float16:
+    if buf.dtype != np.float16:
+        np.divide(buf, contributors, out=buf)
+    elif is_device(buf):
+        from collectives.core import _half_cuda
+
+        _half_cuda.half_scale(buf, contributors)
+    else:
         from collectives.core import _half
 
         _half.half_scale(buf, contributors)
-    else:
-        np.divide(buf, contributors, out=buf)

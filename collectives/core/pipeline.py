@@ -12,9 +12,11 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from collectives.core.arrays import scratch
 from collectives.core.group import Group, Pending
 from collectives.core.schedule import Steps, wait
 
@@ -55,12 +57,13 @@ class ReduceStream:
         self._fused = fuse and group.fuses_receive_reduce
         self._depth = min(PIPELINE_DEPTH, len(self._spans))
         longest = max((hi - lo for lo, hi in self._spans), default=0)
-        # From the transport, like any buffer it receives into: on the simulated backend's
-        # timing-only runs that costs no memory.
-        self._slots = (
-            np.empty((0, 0), dtype=target.dtype)  # unused: segments are reduced where they arrive
+        # Where the target lives: from the transport for host buffers, like any buffer it
+        # receives into (on the simulated backend's timing-only runs that costs no memory); on
+        # the target's device for a device array.
+        self._slots: Any = (
+            None  # unused: segments are reduced where they arrive
             if self._fused
-            else group.transport.empty(self._depth * longest, target.dtype).reshape(self._depth, longest)
+            else scratch(group.transport, self._depth * longest, target).reshape(self._depth, longest)
         )
         self._posted: deque[tuple[Pending, int, int, np.ndarray | None]] = deque()
         self._next_to_post = 0

@@ -1,0 +1,215 @@
+"""CuPy buffers through every collective, on a machine with an NVIDIA GPU and CuPy.
+
+Skipped, with the reason, where `import cupy` fails or CuPy finds no GPU. Every rank uses GPU 0.
+What is checked:
+
+* the float16 kernels of `_half_cuda` against the numba ones of `_half`, bit for bit, on every
+  float16 value, and the other dtypes' reductions against numpy's;
+* every algorithm, op, dtype and count on threads (`device_bodies`): the float64 reference, every
+  rank bit-identical, results on the input's device, `out=` as CuPy, in place, inputs still being
+  computed on the caller's stream; the other collectives;
+* ranks mixing host and device buffers (float16 included: the two kernels agree bit for bit);
+* the threads transport's device copies, in every direction between host and device;
+* staging through pinned memory on a host-only transport in-process, and over MPI and gRPC jobs
+  started by `mpiexec` and the launcher;
+* `python -m bench --device cuda`.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from device_bodies import DEVICE_BODIES
+from fake_gpu import HostOnlyThreads
+from processes import launch_job
+
+import collectives
+from collectives import Communicator
+from collectives.backends.device import gpu_unavailable_reason
+from collectives.backends.staged import StagedTransport
+from collectives.backends.threads import ThreadFabric
+from collectives.core import _half
+from collectives.core.ops import ReduceOp, combine, finalize
+
+UNAVAILABLE = gpu_unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no GPU here: {UNAVAILABLE}")]
+
+BODIES_SCRIPT = str(Path(__file__).resolve().parent / "device_bodies.py")
+
+
+@pytest.fixture
+def cupy() -> Any:
+    import cupy
+
+    cupy.cuda.Device(0).use()
+    return cupy
+
+
+# -- reductions ------------------------------------------------------------------------------------
+
+_ALL_HALVES = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def _same_bits_but_nan_sign(expected: np.ndarray, got: np.ndarray, what: str) -> None:
+    """Equal bit patterns, except that NaNs may differ in their sign bit (see `_half_cuda`)."""
+    nan = np.isnan(expected.view(np.float16))
+    np.testing.assert_array_equal(np.isnan(got.view(np.float16)), nan, err_msg=f"{what}: NaN positions")
+    np.testing.assert_array_equal(got[~nan], expected[~nan], err_msg=what)
+    np.testing.assert_array_equal(got[nan] & 0x7FFF, expected[nan] & 0x7FFF, err_msg=f"{what}: NaN payload")
+
+
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_float16_kernels_match_the_numba_ones_bit_for_bit(cupy: Any, op: ReduceOp, in_place: bool) -> None:
+    """Every float16 value (subnormals, infinities, NaNs) against random partners."""
+    rng = np.random.default_rng(16)
+    a_bits = _ALL_HALVES
+    b_bits = rng.integers(0, 1 << 16, size=a_bits.size, dtype=np.uint32).astype(np.uint16)
+    a, b = a_bits.view(np.float16), b_bits.view(np.float16)
+    expected = np.empty_like(a)
+    combine(op, a, b, expected)  # numba
+    a_gpu, b_gpu = cupy.asarray(a), cupy.asarray(b)
+    out = a_gpu if in_place else cupy.empty_like(a_gpu)
+    combine(op, a_gpu, b_gpu, out)
+    got = cupy.asnumpy(out).view(np.uint16)
+    if op in (ReduceOp.MAX, ReduceOp.MIN):
+        np.testing.assert_array_equal(got, expected.view(np.uint16), err_msg=f"{op.value}: one input's bits")
+    else:
+        _same_bits_but_nan_sign(expected.view(np.uint16), got, op.value)
+
+
+@pytest.mark.parametrize("contributors", [2, 3, 7, 2049])
+def test_float16_mean_matches_the_numba_one_bit_for_bit(cupy: Any, contributors: int) -> None:
+    expected = _ALL_HALVES.view(np.float16).copy()
+    _half.half_scale(expected, contributors)
+    on_device = cupy.asarray(_ALL_HALVES.view(np.float16))
+    finalize(ReduceOp.MEAN, on_device, contributors)
+    _same_bits_but_nan_sign(expected.view(np.uint16), cupy.asnumpy(on_device).view(np.uint16), f"/ {contributors}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_other_dtypes_reduce_on_the_device_like_numpy(cupy: Any, dtype: str, op: ReduceOp) -> None:
+    if op is ReduceOp.MEAN and dtype.startswith("int"):
+        pytest.skip("mean needs a floating-point dtype")
+    rng = np.random.default_rng(5)
+    a, b = (rng.uniform(-100, 100, 10_001).astype(dtype) for _ in range(2))
+    expected = np.empty_like(a)
+    combine(op, a, b, expected)
+    finalize(op, expected, 3)
+    out = cupy.empty(a.size, dtype)
+    combine(op, cupy.asarray(a), cupy.asarray(b), out)
+    finalize(op, out, 3)
+    assert isinstance(out, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(out), expected)
+
+
+# -- every collective on threads -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(DEVICE_BODIES))
+@pytest.mark.parametrize(("world_size", "ranks_per_node"), [(1, None), (2, None), (3, None), (4, 2), (3, [2, 1])])
+def test_device_body_on_threads(name: str, world_size: int, ranks_per_node: Any) -> None:
+    collectives.run_threads(DEVICE_BODIES[name], world_size, ranks_per_node=ranks_per_node, timeout=120)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct", "hierarchical", "parameter_server", "reference"])
+def test_ranks_mixing_host_and_device_buffers_agree_bit_for_bit(cupy: Any, dtype: str, algorithm: str) -> None:
+    from bodies import assert_identical_everywhere, rank_input
+
+    def body(comm: Communicator) -> None:
+        cupy.cuda.Device(0).use()
+        for count in (1, 5, 100_003):
+            host = rank_input(comm.rank, count, dtype, 7)
+            x = cupy.asarray(host) if comm.rank % 2 else host
+            result = comm.allreduce(x, op="sum", algorithm=algorithm)
+            assert isinstance(result, type(x))
+            assert_identical_everywhere(
+                comm, cupy.asnumpy(result) if comm.rank % 2 else result, f"{algorithm} {dtype} {count}"
+            )
+
+    collectives.run_threads(body, 4, ranks_per_node=2, timeout=120)
+
+
+# -- the threads transport's device copies -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("send_on", "receive_on"), [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+def test_threads_transport_copies_between_host_and_device(cupy: Any, send_on: str, receive_on: str) -> None:
+    """The copy runs on whichever thread matches second; a completed receive has its data on the
+    device, readable from any stream."""
+    fabric = ThreadFabric(["a", "a"])
+    sender, receiver = fabric.endpoint(0), fabric.endpoint(1)
+    payload = np.arange(1 << 20, dtype=np.float32)
+    place = {"cuda": cupy.asarray, "cpu": np.array}
+    inbox = place[receive_on](np.zeros_like(payload))
+    for receive_first in (True, False):
+        inbox[...] = 0
+        if receive_first:
+            receive = receiver.irecv(inbox, 0, 1, b"h")
+            thread = threading.Thread(target=lambda: sender.isend(place[send_on](payload), 1, 1, b"h").wait(30))
+            thread.start()
+            receive.wait(30)
+            thread.join(30)
+        else:
+            send = sender.isend(place[send_on](payload), 1, 1, b"h")
+            receiver.irecv(inbox, 0, 1, b"h").wait(30)
+            send.wait(30)
+        with cupy.cuda.Stream(non_blocking=True):
+            np.testing.assert_array_equal(cupy.asnumpy(inbox) if receive_on == "cuda" else inbox, payload)
+    sender.close()
+    receiver.close()
+
+
+# -- staging -----------------------------------------------------------------------------------------
+
+
+def test_staging_on_a_host_only_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ThreadFabric, "endpoint", lambda fabric, rank: HostOnlyThreads(fabric, rank))
+
+    def body(comm: Communicator) -> None:
+        assert isinstance(comm._transport, StagedTransport)
+        for name in ("device_other_collectives", "device_stream_order"):
+            DEVICE_BODIES[name](comm)
+
+    collectives.run_threads(body, 3, timeout=120)
+
+
+_JOB_TIMEOUT = 600.0
+
+
+def test_staged_over_grpc_under_the_launcher() -> None:
+    pytest.importorskip("grpc")
+    result = launch_job(["-n", "2", BODIES_SCRIPT, *DEVICE_BODIES], timeout=_JOB_TIMEOUT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(2):
+        for name in DEVICE_BODIES:
+            assert f"rank {rank}: {name} ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_staged_over_mpi() -> None:
+    pytest.importorskip("mpi4py")
+    from test_mpi import MPIEXEC, assert_ok, mpirun
+
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec (pip install -e '.[mpi]')")
+    job = mpirun(2, BODIES_SCRIPT, *DEVICE_BODIES, timeout=_JOB_TIMEOUT)
+    for name in DEVICE_BODIES:
+        assert_ok(job, 2, f"{name} ok")
+
+
+# -- bench -----------------------------------------------------------------------------------------
+
+
+def test_bench_on_device_buffers(capsys: pytest.CaptureFixture) -> None:
+    from collectives.bench.commands import main
+
+    status = main(["--device", "cuda", "-n", "2", "-b", "4K", "-e", "1M", "-w", "1", "-i", "2", "--no-tune"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "on the GPU" in out and "busbw" in out
