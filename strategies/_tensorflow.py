@@ -1,18 +1,27 @@
 """The one place that imports TensorFlow, so a missing install gives a clear error naming the
 extra to install instead of an ImportError from deep inside; and the conversions between tensors
 and numpy arrays, which avoid copying large buffers (`tensor.numpy()` and `tf.convert_to_tensor`
-each copy, which would cost more than the all-reduce itself on a fast link)."""
+each copy, which would cost more than the all-reduce itself on a fast link).
+
+The operations (`ops`) also take eager GPU tensors without a host copy: `as_operand` hands the
+communicator a GPU tensor's memory as a CuPy array through DLPack, and `as_tensor` returns a CuPy
+result the same way. The gradient tape and the aggregator fuse gradients into host buckets, and
+`tf.function` hands `tf.numpy_function` host arrays: there GPU tensors still go through host
+memory."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from collectives.backends.device import is_device, runtime
 from collectives.backends.errors import BackendUnavailableError
+from collectives.core.arrays import empty
 
 
 @functools.cache
@@ -55,10 +64,32 @@ def as_array(tensor: Any) -> np.ndarray:
     return np.asarray(tensor)
 
 
-def as_tensor(array: np.ndarray) -> Any:
+def as_operand(tensor: Any) -> Any:
+    """What a collective takes for an eager tensor: a GPU tensor's memory as a CuPy array
+    (DLPack, no copy) where CuPy is installed, else `as_array` (TensorFlow copies a GPU tensor to
+    the host)."""
+    if "GPU" in getattr(tensor, "device", "") and importlib.util.find_spec("cupy") is not None:
+        return runtime().module.from_dlpack(tensorflow().experimental.dlpack.to_dlpack(tensor))
+    return as_array(tensor)
+
+
+def output_like(array: Any, shape: tuple[int, ...] | None = None, dtype: Any = None) -> Any:
+    """An uninitialised result buffer (of `array`'s shape and dtype unless given) that `as_tensor`
+    can wrap without a copy: 64-byte aligned host memory, or CuPy memory on `array`'s GPU."""
+    shape = array.shape if shape is None else shape
+    dtype = array.dtype if dtype is None else dtype
+    if is_device(array):
+        return empty(shape, dtype, array)
+    return aligned_empty(shape, dtype)
+
+
+def as_tensor(array: Any) -> Any:
     """A tensor holding `array`'s values: sharing its memory when it is large, contiguous and
-    aligned (through DLPack), copied otherwise. The array must not be modified afterwards."""
+    aligned (through DLPack), copied otherwise; a CuPy array always through DLPack (a GPU
+    tensor). The array must not be modified afterwards."""
     tf = tensorflow()
+    if is_device(array):
+        return tf.experimental.dlpack.from_dlpack(array.toDlpack())
     if array.nbytes >= _ZERO_COPY_BYTES and array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     return tf.convert_to_tensor(array)

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator, MismatchError, Work
+from collectives.arguments import flat_view
 from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction
 from collectives.ps_tasks import job_for
 
@@ -125,7 +126,7 @@ def announced_allreduce(
     """`comm.allreduce(array, op, algorithm, out)`, which ranks that have joined answer."""
     if comm.size == 1:
         return comm.allreduce(array, op, algorithm, out)
-    flat = np.ascontiguousarray(array).reshape(-1)
+    flat = flat_view(array)
     record = np.zeros(_RECORD_WORDS, dtype=np.int64)
     record[_STATE], record[_KIND] = _ACTIVE, _ALLREDUCE
     record[_ROW] = _allreduce_row(comm, flat, op, algorithm)

@@ -30,7 +30,7 @@ from collectives import Communicator
 from collectives.core.layout import even_bounds
 from collectives.core.ops import ReduceOp
 
-from ._tensorflow import aligned_empty, as_array, as_tensor, communicator, tensorflow
+from ._tensorflow import as_array, as_operand, as_tensor, communicator, output_like, tensorflow
 from .aggregator import variable_name
 from .fingerprint import check_same_everywhere, describe
 from .joining import announced_allreduce
@@ -53,7 +53,7 @@ def allreduce(
     @tf.custom_gradient
     def reduced(x: Any) -> Any:
         def reduce(a: np.ndarray) -> np.ndarray:
-            return announced_allreduce(comm, a, op, algorithm, out=aligned_empty(a.shape, a.dtype))
+            return announced_allreduce(comm, a, op, algorithm, out=output_like(a))
 
         result = _apply(tf, reduce, x, x.shape, "collectives_allreduce")
 
@@ -85,7 +85,7 @@ def grouped_allreduce(
             return fused_allreduce(comm, arrays, op)
 
         if tf.executing_eagerly():
-            results = [as_tensor(r) for r in reduce(*(as_array(x) for x in xs))]
+            results = [as_tensor(r) for r in reduce(*(as_operand(x) for x in xs))]
         else:
             results = tf.numpy_function(
                 reduce, list(xs), [x.dtype for x in xs], stateful=True, name="collectives_grouped_allreduce"
@@ -115,7 +115,7 @@ def fused_by_dtype(arrays: Sequence[np.ndarray], collective: Callable[[np.ndarra
     results: list[np.ndarray] = [np.empty(0)] * len(arrays)
     for dtype, indices in by_dtype.items():
         offsets = np.cumsum([0, *(np.size(arrays[i]) for i in indices)])
-        fused = aligned_empty((int(offsets[-1]),), dtype)
+        fused = output_like(arrays[indices[0]], (int(offsets[-1]),), dtype)
         for i, lo, hi in zip(indices, offsets[:-1], offsets[1:]):
             fused[lo:hi] = np.reshape(arrays[i], -1)
         combined = collective(fused)
@@ -158,7 +158,7 @@ def broadcast(tensor: Any, root: int = 0, comm: Communicator | None = None) -> A
     @tf.custom_gradient
     def broadcasted(x: Any) -> Any:
         def copy_from_root(a: np.ndarray) -> np.ndarray:
-            return comm.broadcast(a, root=root, out=aligned_empty(a.shape, a.dtype))
+            return comm.broadcast(a, root=root, out=output_like(a))
 
         result = _apply(tf, copy_from_root, x, x.shape, "collectives_broadcast")
 
@@ -290,7 +290,7 @@ def broadcast_variables(variables: Sequence[Any], root: int = 0, comm: Communica
 def _apply(tf, function: Callable[[np.ndarray], np.ndarray], tensor: Any, shape: Any, name: str) -> Any:
     """Run a numpy collective on `tensor`: directly when eager, as a stateful op in a graph."""
     if tf.executing_eagerly():
-        return as_tensor(function(as_array(tensor)))
+        return as_tensor(function(as_operand(tensor)))
     result = tf.numpy_function(function, [tensor], tensor.dtype, stateful=True, name=name)
     result.set_shape(shape)
     return result

@@ -213,3 +213,35 @@ def test_bench_on_device_buffers(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert status == 0, out
     assert "on the GPU" in out and "busbw" in out
+
+
+def _tensorflow_gpu_missing() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:
+        return "TensorFlow is not installed (the tf extra)"
+    import tensorflow as tf
+
+    return None if tf.config.list_logical_devices("GPU") else "TensorFlow sees no GPU"
+
+
+_TF_MISSING = _tensorflow_gpu_missing() if UNAVAILABLE is None else None  # TensorFlow is imported only beside a GPU
+
+
+@pytest.mark.skipif(_TF_MISSING is not None, reason=_TF_MISSING or "")
+def test_eager_gpu_tensors_travel_through_dlpack() -> None:
+    """An eager GPU tensor is all-reduced as a CuPy view of its memory (DLPack) and comes back as
+    a GPU tensor, on every rank alike."""
+    import tensorflow as tf
+
+    from collectives import strategies
+
+    def body(comm: Communicator) -> np.ndarray:
+        with tf.device("/GPU:0"):
+            tensor = tf.fill([1000], float(comm.rank + 1))
+        result = strategies.allreduce(tensor, "sum", comm)
+        assert "GPU" in result.device, result.device
+        return result.numpy()
+
+    for result in collectives.run_threads(body, 2):
+        np.testing.assert_array_equal(result, np.full(1000, 3.0, np.float32))
