@@ -200,6 +200,29 @@ def _mpi() -> Any:
     return _MPI
 
 
+_LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+"""Where Open MPI's launcher and PMI launchers (MPICH's hydra, Slurm) say how many ranks they started."""
+
+
+def check_launched_size(environ: Any, world_size: int, library: str) -> None:
+    """Refuse a world smaller than the launcher started.
+
+    An mpi4py bound to another MPI library than the `mpiexec` that started the job (Open MPI's
+    mpi4py under MPICH's hydra, say) does not fail: every process initialises a world of one and
+    trains alone, each rank's "all-reduce" returning its own gradients.
+    """
+    for name in _LAUNCHER_SIZE_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit() and int(value) != world_size:
+            first_line = library.strip().splitlines()[0] if library.strip() else "unknown"
+            raise CollectiveError(
+                f"the launcher started {value} ranks ({name}={value}) but MPI in this process sees a "
+                f"world of {world_size}: mpi4py uses another MPI library ({first_line}) than the mpiexec "
+                "that started the job; start it with that library's mpiexec, or point mpi4py at the "
+                "launcher's library (MPI4PY_LIBMPI=/path/to/libmpi.so)"
+            )
+
+
 def _note_lost(reason: str, comm: Any) -> None:
     """Remember that a peer of `comm` may be dead, for `_abort_job_at_exit`."""
     global _LOST, _LOST_COMM
@@ -567,8 +590,14 @@ class MPITransport(Transport):
 
     @classmethod
     def from_environment(cls, **kwargs: Any) -> MPITransport:
-        """The transport of a process started by `mpiexec`, over a duplicate of COMM_WORLD."""
-        return cls(_mpi().COMM_WORLD, **kwargs)
+        """The transport of a process started by `mpiexec`, over a duplicate of COMM_WORLD.
+
+        Raises:
+            CollectiveError: the launcher started more ranks than MPI sees (`check_launched_size`).
+        """
+        MPI = _mpi()
+        check_launched_size(os.environ, MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
+        return cls(MPI.COMM_WORLD, **kwargs)
 
     duplicable = True
 

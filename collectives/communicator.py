@@ -250,7 +250,7 @@ class Communicator:
         result, target = output_buffers(out, src.shape, src.dtype, src)
         flat = flat_view(src)
         if self.size == 1:
-            return _Local(copy_back(result, target, flat))
+            return _Local(copy_back(result, target, flat), src)
         header = collective_header("allreduce", src, algorithm=chosen, op=op.value)
         if chosen == NATIVE:
             return _planned(header, functools.partial(self._native_allreduce, flat, target, result, op), src)
@@ -313,7 +313,7 @@ class Communicator:
         flat = flat_view(src)
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
-            return _Local(copy_back(result, target, flat[mine]))
+            return _Local(copy_back(result, target, flat[mine]), src)
 
         def run(group: Group) -> np.ndarray:
             work_space = self._reusable_work_space(flat)
@@ -346,7 +346,7 @@ class Communicator:
         flat = flat_view(src)
         own = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
-            return _Local(copy_back(result, target, flat))
+            return _Local(copy_back(result, target, flat), src)
 
         def run(group: Group) -> np.ndarray:
             target[own] = flat
@@ -373,7 +373,7 @@ class Communicator:
         result, target = output_buffers(out, src.shape, src.dtype, src)
         flat = flat_view(src)
         if self.size == 1:
-            return _Local(copy_back(result, target, flat))
+            return _Local(copy_back(result, target, flat), src)
 
         def run(group: Group) -> np.ndarray:
             if group.rank == root and not may_share_memory(target, flat):
@@ -428,7 +428,7 @@ class Communicator:
         row_items = math.prod(row_shape)
         flat = flat_view(src)
         if self.size == 1:
-            return _Local((flat.copy().reshape(src.shape), counts))
+            return _Local((flat.copy().reshape(src.shape), counts), src)
         size, rank = self.size, self.rank
 
         def run(group: Group) -> tuple[np.ndarray, np.ndarray]:
@@ -597,11 +597,18 @@ class Communicator:
 
 
 class _Local:
-    """The plan of a collective with nothing to exchange (a world of one rank): its result."""
+    """The plan of a collective with nothing to exchange (a world of one rank): its result.
+
+    For a device `src`, the copy into the result is queued on the caller's stream; like any
+    collective's, the result is complete on return (a caller on a non-blocking stream that reads
+    it from another stream would otherwise read it half written).
+    """
 
     __slots__ = ("result",)
 
-    def __init__(self, result: Any) -> None:
+    def __init__(self, result: Any, src: Any = None) -> None:
+        if is_device(src):
+            runtime().synchronize(src)
         self.result = result
 
 

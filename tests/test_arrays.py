@@ -263,6 +263,37 @@ def test_a_device_collective_waits_for_the_callers_stream_and_synchronizes_its_o
     assert "ready" in kinds[:first_wait] and kinds[-1] == "synchronize"
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_world_of_one_returns_device_results_complete(blocking: bool) -> None:
+    """With nothing to exchange the result is a copy queued on the caller's stream; it is
+    synchronized before the call (or the `Work`) returns, as a collective's is. (A caller on a
+    non-blocking stream, reading it from another stream, read it half written.)"""
+
+    def body(comm: Communicator) -> None:
+        x = on_device(np.ones(3))
+        calls = [
+            lambda: comm.allreduce(x),
+            lambda: comm.reduce_scatter(x),
+            lambda: comm.allgather(x),
+            lambda: comm.broadcast(x),
+            lambda: comm.alltoall(x),
+        ]
+        asynchronous = [
+            lambda: comm.allreduce_async(x).wait(),
+            lambda: comm.reduce_scatter_async(x).wait(),
+            lambda: comm.allgather_async(x).wait(),
+            lambda: comm.broadcast_async(x).wait(),
+            lambda: comm.alltoall_async(x).wait(),
+        ]
+        for call in calls if blocking else asynchronous:
+            before = len(gpu.entries("synchronize"))
+            call()
+            assert len(gpu.entries("synchronize")) == before + 1
+
+    with installed() as gpu:
+        collectives.run_threads(body, 1)
+
+
 def test_ranks_may_mix_host_and_device_buffers() -> None:
     def body(comm: Communicator) -> Any:
         x = _input(comm.rank, 100, "float64")

@@ -143,6 +143,20 @@ def test_missing_mpi4py_is_a_backend_unavailable_error(monkeypatch: pytest.Monke
         mpi_backend.MPITransport.from_environment()
 
 
+@pytest.mark.parametrize("variable", ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
+def test_a_world_smaller_than_the_launcher_started_is_refused(variable: str) -> None:
+    """mpi4py bound to another MPI than the launcher's makes every process a world of one, each
+    rank training alone; that is refused, naming both sizes and the library."""
+    from collectives.backends.errors import CollectiveError
+    from collectives.backends.mpi import check_launched_size
+
+    library = "Open MPI v4.1.6, package: Debian OpenMPI\nmore"
+    with pytest.raises(CollectiveError, match=rf"started 2 ranks \({variable}=2\).*world of 1.*Open MPI v4\.1\.6"):
+        check_launched_size({variable: "2"}, 1, library)
+    check_launched_size({variable: "2"}, 2, library)
+    check_launched_size({}, 1, library)  # a singleton run without a launcher
+
+
 # -- in processes -------------------------------------------------------------------------------
 
 
