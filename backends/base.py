@@ -29,8 +29,9 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
   callback instead of storing it, so a reduction reads the peer's data once, straight from where
   it arrives (the threads backend reads the sender's buffer). Algorithms fall back to receiving
   into scratch and reducing from there when a backend does not offer it.
-* `empty(count, dtype)` allocates a buffer of the backend's kind and `clock()` is the time that
-  collectives measure themselves with (topology probes, tuning). Both have defaults (numpy,
+* `empty(count, dtype)` allocates a buffer of the backend's kind (what algorithms receive host
+  data into), `measurement_buffer` what probes and tuning time it with (device memory for NCCL),
+  and `clock()` is the time that collectives measure themselves with. All have defaults (numpy,
   `time.perf_counter`); the simulated backend overrides them with charged or size-only buffers
   and its virtual clock, which is how the same probe code measures a simulated cluster.
 """
@@ -278,6 +279,11 @@ class Transport(abc.ABC):
     def empty(self, count: int, dtype: Any) -> Buffer:
         """A new buffer of `count` items that this backend can send and receive."""
         return np.empty(count, dtype=dtype)
+
+    def measurement_buffer(self, count: int, dtype: Any) -> Buffer:
+        """A buffer of the kind that probes and tuning time this backend with: `empty`'s, but for a
+        backend whose users send device memory through an engine of its own (NCCL), device memory."""
+        return self.empty(count, dtype)
 
     def clock(self) -> float:
         """Seconds on the clock that collectives are timed with (monotonic, arbitrary origin)."""

@@ -49,20 +49,24 @@ class ConcurrentUseError(CollectiveError):
 
 
 class BackendUnavailableError(CollectiveError, ImportError):
-    """An optional dependency needed by a backend is not installed."""
+    """An optional dependency needed by a backend is not installed, or what it drives is missing
+    (`reason`: no GPU, CuPy without NCCL)."""
 
-    def __init__(self, backend: str, module: str, extra: str) -> None:
+    def __init__(self, backend: str, module: str, extra: str, reason: str | None = None) -> None:
         super().__init__(
-            f"the {backend!r} backend needs the Python package {module!r}, which is not installed; "
+            f"the {backend!r} backend cannot start: {reason}"
+            if reason
+            else f"the {backend!r} backend needs the Python package {module!r}, which is not installed; "
             f"install it with: pip install -e '.[{extra}]'"
         )
         self.backend = backend
         self.module = module
         self.extra = extra
+        self.reason = reason
 
-    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+    def __reduce__(self) -> tuple[type, tuple[str, str, str, str | None]]:
         """Rebuild from the constructor's arguments, so the error survives pickling (a worker process's error)."""
-        return type(self), (self.backend, self.module, self.extra)
+        return type(self), (self.backend, self.module, self.extra, self.reason)
 
 
 ABORT_MISMATCH = "mismatch"

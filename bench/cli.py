@@ -1,7 +1,7 @@
 """The `python -m bench` / `collectives-bench` command line: its options and their checks.
 
     python -m bench [-c allreduce] [-a ring,tree,...] [-b 4K -e 64M -f 4] [-d float32] [-o sum]
-                    [-w 2 -i 9] [-n 4 --ranks-per-node 2] [--backend threads|mpi|grpc|simulated]
+                    [-w 2 -i 9] [-n 4 --ranks-per-node 2] [--backend threads|mpi|grpc|nccl|simulated]
                     [--device cpu|cuda]
                     [--csv PATH] [--json PATH] [--plot PATH] [--probe | --tune] [--explain]
     python -m bench scaling [--plot PATH] [--csv PATH] [--simulate-up-to 256] [--measured 2,4,8]
@@ -21,7 +21,9 @@ traceback from every rank. What each command does is in `collectives.bench.comma
 
 `--device cuda` puts every rank's buffers on the GPU (CuPy, the current device: device 0 unless
 CUDA_VISIBLE_DEVICES says otherwise): threads copy device to device, MPI and gRPC stage through
-pinned host memory. Without CuPy or a GPU it stops with one line saying which is missing.
+pinned host memory. `--backend nccl` (launched ranks, NCCL over gRPC) always measures device
+buffers, and adds NCCL's own all-reduce as `native`. Without CuPy or a GPU it stops with one line
+saying which is missing.
 """
 
 from __future__ import annotations
@@ -102,19 +104,23 @@ def _link(text: str) -> Link:
         raise argparse.ArgumentTypeError(f"expected ALPHA_SECONDS,GB_PER_S such as 1e-6,50; got {text!r}") from None
 
 
+_NATIVE_BACKENDS = ("mpi", "nccl")
+"""Backends whose engine has an all-reduce of its own (`algorithm="native"`)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description="Compare collective algorithms side by side (nccl-tests style). "
         "`python -m bench scaling --help` for the training-efficiency model.",
     )
-    parser.add_argument("--backend", choices=("threads", "mpi", "grpc", "simulated"), default="threads")
+    parser.add_argument("--backend", choices=("threads", "mpi", "grpc", "nccl", "simulated"), default="threads")
     parser.add_argument(
         "--device",
         choices=DEVICES,
         default="cpu",
         help="where the buffers live: cpu (numpy) or cuda (CuPy arrays on the GPU; threads copy on the "
-        "device, mpi and grpc stage through pinned host memory)",
+        "device, mpi and grpc stage through pinned host memory; nccl always uses cuda)",
     )
     parser.add_argument("-c", "--collective", choices=COLLECTIVES, default="allreduce")
     parser.add_argument(
@@ -256,7 +262,7 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     collective = args.collective
     default: tuple[str, ...]
     if collective == "allreduce":
-        default = (*default_allreduce(), NATIVE) if args.backend == "mpi" else default_allreduce()
+        default = (*default_allreduce(), NATIVE) if args.backend in _NATIVE_BACKENDS else default_allreduce()
         known = {"auto", NATIVE, *allreduce_algorithms()}
     else:
         default = (FIXED_ALGORITHM[collective],)
@@ -266,8 +272,8 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         default = (*default, RAW)
         known.add(RAW)
     algorithms = asked_algorithms(args, ranks, known) or default
-    if NATIVE in algorithms and args.backend != "mpi":
-        raise UsageError(f"algorithm {NATIVE!r} needs --backend mpi")
+    if NATIVE in algorithms and args.backend not in _NATIVE_BACKENDS:
+        raise UsageError(f"algorithm {NATIVE!r} needs --backend mpi or nccl")
     try:
         dtype = np.dtype(args.dtype)
     except TypeError:
@@ -307,6 +313,8 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
 
 def check_device(args: argparse.Namespace) -> None:
     """A clear UsageError where `--device cuda` cannot run: the backend, or no CuPy or GPU here."""
+    if args.backend == "nccl":
+        args.device = "cuda"
     if args.device == "cpu":
         return
     if args.backend == "simulated":

@@ -6,8 +6,12 @@ Users start ranks the way they already do, and `init()` recognises it:
 * `TF_CONFIG` (tf.distribute, Kubernetes templates) -> the gRPC backend; with a ``ps`` job, a
   ``ps`` task serves the workers' gradients until they finish and exits inside `init()`, and a
   worker gets the communicator of the workers (`collectives.ps_tasks`);
-* `python -m collectives.launch -n 4 [--backend grpc|mpi] train.py` -> whichever it asks for;
+* `python -m collectives.launch -n 4 [--backend grpc|mpi|nccl] train.py` -> whichever it asks for;
 * nothing -> a one-rank communicator, so the same script runs on a laptop.
+
+NCCL (`init(backend="nccl")`, COLLECTIVES_BACKEND=nccl, or the launcher's `--backend nccl`) rides
+on the transport the launch would otherwise get (MPI, gRPC or a single rank), which carries host
+buffers and bootstraps NCCL; CuPy buffers go through NCCL on the GPU of the local rank.
 
 The backend's module is imported only when chosen, so a missing optional dependency only matters
 (as `BackendUnavailableError`, naming the extra to install) when that backend is asked for.
@@ -28,7 +32,7 @@ from collectives.timeline import ENV_TIMELINE
 log = logging.getLogger(__name__)
 
 ENV_BACKEND = "COLLECTIVES_BACKEND"
-"""Forces a backend: "mpi", "grpc" or "threads" (one rank)."""
+"""Forces a backend: "mpi", "grpc", "nccl" or "threads" (one rank)."""
 ENV_RANK = "COLLECTIVES_RANK"
 ENV_WORLD_SIZE = "COLLECTIVES_WORLD_SIZE"
 ENV_ADDRESSES = "COLLECTIVES_ADDRESSES"
@@ -41,7 +45,7 @@ ENV_AUTOTUNE = "COLLECTIVES_AUTOTUNE"
 "tune" or "off"."""
 _AUTOTUNE_MODES: dict[str, bool | str] = {"calibrate": "calibrate", "tune": True, "off": False}
 
-BACKENDS = ("mpi", "grpc", "threads")
+BACKENDS = ("mpi", "grpc", "nccl", "threads")
 
 _MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
 
@@ -55,6 +59,11 @@ def detect_backend(environ: Mapping[str, str]) -> str | None:
         if forced not in BACKENDS:
             raise ValueError(f"{ENV_BACKEND}={forced!r} is not a backend; expected one of {BACKENDS}")
         return forced
+    return _launched_by(environ)
+
+
+def _launched_by(environ: Mapping[str, str]) -> str | None:
+    """The host transport the launch provides ("mpi", "grpc"), or None for a single process."""
     if any(name in environ for name in _MPI_LAUNCH_VARIABLES):
         return "mpi"
     if "TF_CONFIG" in environ or ENV_ADDRESSES in environ:
@@ -72,7 +81,7 @@ def init(
     """Create this process's communicator and make it the default one.
 
     Args:
-        backend: "mpi", "grpc" or "threads"; None detects it from the environment.
+        backend: "mpi", "grpc", "nccl" or "threads"; None detects it from the environment.
         timeout: seconds each collective may take before `CollectiveTimeoutError` (gRPC also waits
             this long for peers to start).
         segment_bytes: pipelining granularity of the algorithms.
@@ -145,6 +154,10 @@ def default_communicator() -> Communicator:
 
 
 def _make_transport(backend: str | None, timeout: float) -> Transport:
+    if backend == "nccl":
+        from collectives.backends.nccl import NcclTransport
+
+        return NcclTransport(_make_transport(_launched_by(os.environ), timeout), timeout=timeout)
     if backend == "mpi":
         from collectives.backends.mpi import MPITransport
 
@@ -160,7 +173,7 @@ def _make_transport(backend: str | None, timeout: float) -> Transport:
 
 def _parameter_server_tasks(backend: str | None) -> int:
     """How many TF_CONFIG ``ps`` tasks the world ends with (0 but for gRPC with a ``ps`` job)."""
-    if backend != "grpc":
+    if backend != "grpc":  # NCCL's workers have no ps tasks
         return 0
     from collectives.backends._grpc_config import load_config
 

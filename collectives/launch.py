@@ -1,4 +1,4 @@
-"""`python -m collectives.launch -n 4 [--backend grpc|mpi] [--ranks-per-node 2] [-m] script.py args...`
+"""`python -m collectives.launch -n 4 [--backend grpc|mpi|nccl] [--ranks-per-node 2] [-m] script.py args...`
 
 Starts the ranks of a job on this machine, like `horovodrun` or `torchrun`:
 
@@ -6,7 +6,9 @@ Starts the ranks of a job on this machine, like `horovodrun` or `torchrun`:
   address (free ports) and a fresh shared secret through the environment, so `collectives.init()`
   finds them. The launcher holds each port until its rank listens on it, so that no other user
   can take it in between (`reserve_loopback_ports`);
-* MPI: hands the job to the `mpiexec` installed with the `mpi` extra.
+* MPI: hands the job to the `mpiexec` installed with the `mpi` extra;
+* NCCL: as gRPC (which carries host buffers and NCCL's bootstrap), the ranks told to use NCCL for
+  device buffers, each on the GPU of its local rank (LOCAL_RANK, set for every backend but MPI's).
 
 Every line a rank prints is passed on whole, prefixed with "[rank]": its standard output to the
 launcher's, its standard error to the launcher's. If a rank exits non-zero, the others get a moment
@@ -325,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the ranks of a collectives job on this machine.",
     )
     parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
-    parser.add_argument("--backend", choices=("grpc", "mpi"), default="grpc")
+    parser.add_argument("--backend", choices=("grpc", "mpi", "nccl"), default="grpc")
     parser.add_argument(
         "--ranks-per-node",
         type=int,
@@ -361,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_ranks([("", [mpiexec, "-prepend-rank", "-n", str(args.nprocs), *command], env)])
     reservations = reserve_loopback_ports(args.nprocs)
     addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in reservations]
-    environments = grpc_rank_environments(addresses, ranks_per_node=args.ranks_per_node)
+    environments = grpc_rank_environments(addresses, ranks_per_node=args.ranks_per_node, backend=args.backend)
     for env in environments:
         env[ENV_REUSE_PORT] = "1"
     with _held_until_listening(reservations):
@@ -369,19 +371,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def grpc_rank_environments(
-    addresses: Sequence[str], *, ranks_per_node: int | None = None, base: Mapping[str, str] | None = None
+    addresses: Sequence[str],
+    *,
+    ranks_per_node: int | None = None,
+    base: Mapping[str, str] | None = None,
+    backend: str = "grpc",
 ) -> list[dict[str, str]]:
     """The environment of each gRPC rank of a job whose rank r listens on `addresses[r]`.
 
-    `base` (default: this process's environment) plus what `collectives.init()` reads: the backend,
-    the rank, the world size, every address and one fresh shared secret for the whole job, and the
-    emulated node size if given. Unbuffered output, so that prefixed lines arrive as printed.
+    `base` (default: this process's environment) plus what `collectives.init()` reads: the backend
+    ("grpc", or "nccl" over gRPC), the rank, the world size, every address and one fresh shared
+    secret for the whole job, and the emulated node size if given; LOCAL_RANK (the rank: every rank
+    runs on this machine) picks a rank's GPU. Unbuffered output, so that prefixed lines arrive as
+    printed.
     """
     shared = dict(os.environ if base is None else base)
     shared.update(
         {
             "PYTHONUNBUFFERED": "1",
-            ENV_BACKEND: "grpc",
+            ENV_BACKEND: backend,
             ENV_WORLD_SIZE: str(len(addresses)),
             ENV_ADDRESSES: ",".join(addresses),
             ENV_SECRET: secrets.token_hex(16),
@@ -389,7 +397,7 @@ def grpc_rank_environments(
     )
     if ranks_per_node is not None:
         shared[ENV_RANKS_PER_NODE] = str(ranks_per_node)
-    return [{**shared, ENV_RANK: str(rank)} for rank in range(len(addresses))]
+    return [{**shared, ENV_RANK: str(rank), "LOCAL_RANK": str(rank)} for rank in range(len(addresses))]
 
 
 def _find_mpiexec() -> str | None:

@@ -47,6 +47,9 @@ def run_bounded(
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr or "")
 
 
-def launch_job(launcher_args: list[str], *, timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
-    """Run `python -m collectives.launch ARGS`, its stdout and stderr apart."""
-    return run_bounded([sys.executable, "-m", "collectives.launch", *launcher_args], timeout=timeout)
+def launch_job(
+    launcher_args: list[str], *, timeout: float = LAUNCH_TIMEOUT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `python -m collectives.launch ARGS` (with `env` added to the environment), its stdout
+    and stderr apart."""
+    return run_bounded([sys.executable, "-m", "collectives.launch", *launcher_args], timeout=timeout, env=env)

@@ -245,3 +245,99 @@ def test_eager_gpu_tensors_travel_through_dlpack() -> None:
 
     for result in collectives.run_threads(body, 2):
         np.testing.assert_array_equal(result, np.full(1000, 3.0, np.float32))
+
+
+# -- NCCL ------------------------------------------------------------------------------------------
+
+_MULTI_RANK_GPU = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+"""Lets two ranks of one NCCL communicator share a GPU (NCCL >= 2.30.3), as on a one-GPU machine."""
+
+
+def _nccl_reason() -> str | None:
+    """Why two NCCL ranks cannot run here, or None."""
+    from collectives.backends import nccl
+    from collectives.backends.errors import BackendUnavailableError
+
+    try:
+        version = nccl.library().version
+    except BackendUnavailableError as error:
+        return str(error)
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2 and tuple(map(int, version.split("."))) < (2, 30, 3):
+        return f"NCCL {version} refuses two ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE needs >= 2.30.3)"
+    return None
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64", "uint8"])
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+def test_nccl_world_of_one_runs_the_native_allreduce(cupy: Any, dtype: str, op: str) -> None:
+    """Real NCCL, one rank: ncclAllReduce of every type and op, input and output apart and in place."""
+    from collectives.backends.nccl import NcclTransport
+
+    transport = NcclTransport(ThreadFabric(["a"]).endpoint(0), device_id=0)
+    try:
+        values = (np.arange(1007) % 120 - (0 if np.dtype(dtype).kind == "u" else 7)).astype(dtype)
+        x = cupy.asarray(values)
+        out = cupy.empty_like(x)
+        transport.native_allreduce(x, out, op, timeout=60.0)
+        np.testing.assert_array_equal(cupy.asnumpy(out), values)
+        transport.native_allreduce(x, x, op, timeout=60.0)
+        np.testing.assert_array_equal(cupy.asnumpy(x), values)
+        host_out = np.empty_like(values)
+        transport.native_allreduce(values, host_out, op, timeout=60.0)  # staged through the device
+        np.testing.assert_array_equal(host_out, values)
+    finally:
+        transport.close()
+
+
+def test_nccl_two_ranks_run_every_device_body() -> None:
+    """Two processes (on one GPU where there is only one) over NCCL: every algorithm, native
+    (ncclAllReduce) included, op, dtype and count, and the other collectives."""
+    reason = _nccl_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    result = launch_job(
+        ["--backend", "nccl", "-n", "2", BODIES_SCRIPT, *DEVICE_BODIES], timeout=_JOB_TIMEOUT, env=_MULTI_RANK_GPU
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(2):
+        for name in DEVICE_BODIES:
+            assert f"rank {rank}: {name} ok" in result.stdout, result.stdout + result.stderr
+
+
+_KILL_TIMEOUT = 10.0
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_nccl_survivor_of_a_killed_peer_raises_within_its_timeout(tmp_path: Path, algorithm: str) -> None:
+    """A SIGKILLed rank leaves its peer's NCCL operations pending forever; the survivor raises one
+    of our errors within the collective's timeout + 5 s (the issue's bound) instead of hanging."""
+    reason = _nccl_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    script = str(Path(__file__).resolve().parent / "gpu_scripts" / "nccl_killed_peer.py")
+    launch_job(
+        ["--backend", "nccl", "-n", "2", script, str(_KILL_TIMEOUT), str(tmp_path), algorithm],
+        timeout=_JOB_TIMEOUT,
+        env=_MULTI_RANK_GPU,
+    )
+    report = (tmp_path / "rank0.txt").read_text()
+    name, seconds = report.split()[:2]
+    assert name in ("PeerLostError", "CollectiveTimeoutError"), report
+    assert float(seconds) < _KILL_TIMEOUT + 5, report
+    print(f"survivor ({algorithm}): {report}")  # the time to error, for the record
+
+
+def test_bench_over_nccl(capsys: pytest.CaptureFixture) -> None:
+    from collectives.bench.commands import main
+
+    reason = _nccl_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        status = main(["--backend", "nccl", "-n", "2", "-b", "4K", "-e", "1M", "-w", "1", "-i", "2", "--no-tune"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "nccl backend" in out and "native" in out

@@ -30,6 +30,8 @@ import numpy as np
 
 from collectives.algorithms.barrier import dissemination_barrier_steps
 from collectives.algorithms.ring import ring_allgather_steps
+from collectives.backends.device import runtime
+from collectives.core.arrays import is_device
 from collectives.core.group import Group
 from collectives.core.ops import ReduceOp, combine
 from collectives.core.schedule import drive
@@ -54,8 +56,8 @@ def probe_links(group: Group, topology: Topology, *, repeats: int = REPEATS) -> 
     gather = group.subgroup(range(group.size), tags.take("link table all-gather"))
     mine = np.full(_COLUMNS, math.nan)
     nodes = topology.nodes
-    tiny = transport.empty(TINY_BYTES, np.uint8)
-    large = transport.empty(PROBE_BYTES, np.uint8)
+    tiny = transport.measurement_buffer(TINY_BYTES, np.uint8)
+    large = transport.measurement_buffer(PROBE_BYTES, np.uint8)
     for phase, pairs in (
         (_INTRA, _intra_pairs(nodes)),
         (_INTER, _inter_pairs(nodes, 1)),
@@ -114,16 +116,23 @@ def _exchange(group: Group, buf: np.ndarray, peer: int, leading: bool, tag: int)
 
 
 def _reduction_seconds(transport, repeats: int) -> float:
-    """Median seconds of one in-place float32 sum of `PROBE_BYTES` on this rank."""
-    a = transport.empty(PROBE_BYTES // 4, np.float32)
-    b = transport.empty(PROBE_BYTES // 4, np.float32)
+    """Median seconds of one in-place float32 sum of `PROBE_BYTES` on this rank (on the device,
+    finished there, where the transport's users keep their buffers)."""
+    a = transport.measurement_buffer(PROBE_BYTES // 4, np.float32)
+    b = transport.measurement_buffer(PROBE_BYTES // 4, np.float32)
     a[...] = 1
     b[...] = 1
-    combine(ReduceOp.SUM, a, b, out=a)  # warm up: page faults, caches
+
+    def reduce() -> None:
+        combine(ReduceOp.SUM, a, b, out=a)
+        if is_device(a):
+            runtime().synchronize(a)
+
+    reduce()  # warm up: page faults, caches, kernel compilation
     times = []
     for _ in range(repeats):
         start = transport.clock()
-        combine(ReduceOp.SUM, a, b, out=a)
+        reduce()
         times.append(transport.clock() - start)
     return float(np.median(times))
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from collectives._version import __version__
+from collectives.core import arrays
 from collectives.core.topology import LinkCost, LinkCosts, Topology
 from collectives.selection.native import NATIVE
 from collectives.selection.selector import Selector, Tuning
@@ -196,10 +197,12 @@ def measure(
     began = clock()
     ratios: dict[str, list[float | None]] = {a: [None] * len(sizes) for a in selector.candidates}
     measured = len(sizes)
+    like = comm._transport.measurement_buffer(0, np.float32)  # where the backend's users' buffers live
     for index, nbytes in enumerate(sizes):
         predicted = selector.predictions(nbytes)
-        src = np.ones(max(1, nbytes // 4), dtype=np.float32)
-        out = np.empty_like(src)
+        src = arrays.empty(max(1, nbytes // 4), np.float32, like)
+        src[...] = 1
+        out = arrays.empty(src.size, np.float32, like)
         for algorithm in selector.candidates:
             comm.allreduce(src, algorithm=algorithm, out=out)  # warm up
         times: dict[str, list[float]] = {a: [] for a in selector.candidates}

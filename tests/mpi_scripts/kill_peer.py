@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -26,19 +27,23 @@ from collectives.backends.mpi import MPITransport  # noqa: E402
 
 def main() -> int:
     timeout = float(sys.argv[1])
-    output = Path(sys.argv[2])
     comm = Communicator(MPITransport.from_environment(), timeout=timeout)
+    return stream_until_killed(comm, np.ones(1 << 20, np.float32), timeout, Path(sys.argv[2]), "ring")
+
+
+def stream_until_killed(comm: Communicator, x: Any, timeout: float, output: Path, algorithm: str) -> int:
+    """All-reduce `x` until the last rank, which SIGKILLs itself after three, is missed; report
+    how (see the module docstring). Also the body of the NCCL killed-peer script."""
     report = output / f"rank{comm.rank}.txt"
     victim = comm.size - 1
-    x = np.ones(1 << 20, np.float32)
     for _ in range(3):
-        comm.allreduce(x)
+        comm.allreduce(x, algorithm=algorithm)  # every connection the algorithm needs exists
     if comm.rank == victim:
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
     start = time.monotonic()
     try:
         while time.monotonic() - start < 4 * timeout + 30:
-            comm.allreduce(x, algorithm="ring")
+            comm.allreduce(x, algorithm=algorithm)
     except CollectiveError as error:
         report.write_text(f"{type(error).__name__} {time.monotonic() - start:.3f} {error}\n")
         print(f"rank {comm.rank}: raised {type(error).__name__}: {error}", flush=True)

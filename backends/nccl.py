@@ -1,0 +1,800 @@
+"""NCCL transport: device buffers move through NCCL, everything else through a control transport.
+
+`NcclTransport(control)` wraps the transport `init()` found (MPI under `mpiexec`, gRPC under the
+launcher or TF_CONFIG): host buffers, the header agreement and abort notices travel on `control`;
+CuPy buffers travel through NCCL (`cupy.cuda.nccl`), on the GPU of this rank's local rank.
+
+Point to point. NCCL's `send`/`recv` have no tags: between two ranks of one communicator they pair
+in the order they are issued, and a `send` holds its stream until the partner posts. The library's
+algorithms post receives on several tags in any order, so the sender decides the order:
+
+* every directed pair (a -> b) has a two-rank NCCL communicator of its own, made when a first
+  sends to b (the unique id travels in that first envelope), used by a only to send and by b only
+  to receive, each on a stream of its own: no send ever waits behind a receive;
+* each device send first sends an envelope on a channel of its own (a duplicate of `control`,
+  one message stream per peer): the pair's sequence number, the library tag, the size and the
+  header; then issues `ncclSend` in sequence order;
+* a progress thread on the receiver takes the envelopes in order and issues `ncclRecv` for each at
+  once: into the receive posted for its (peer, tag) if there is one (matched first in, first out
+  with `Matcher`, header and size checked, a mismatch a `MismatchError`), else into device scratch
+  that a later receive copies from. So every send finds its receive, whatever order the
+  algorithms post in.
+
+The engine's own collectives: `native_allreduce` is `ncclAllReduce` on a world communicator made
+on first use (rank 0's unique id sent over the channel), issued only after the header agreement
+(`Communicator` calls it so), ordered after the caller's stream by events.
+
+Waiting and failure. A request completes when the CUDA event recorded after its NCCL call has
+(polled, with `check_async_error`), or fails when: the deadline passes (`TimeoutError`, which the
+collective reports), NCCL reports an error, a peer's channel fails (it aborted, exited or was
+killed: the requests with that peer fail at once), or this rank aborts. `abort` tells the peers
+first (control and channel), then aborts every NCCL communicator on a daemon thread with a bounded
+join (a killed peer leaves a blocked `ncclRecv` that only `ncclCommAbort` ends); a broken
+communicator is never destroyed. Creating a communicator (`ncclCommInitRank`, which has no
+timeout) runs on a daemon thread joined within the transport's timeout.
+
+NCCL itself is reached through one seam, `Library` (`library()`, `use_library`): CuPy's by
+default, a fake one in the CPU tests.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from .base import Buffer, PostedRequest, Request, Transport, check_buffer
+from .device import Event, cupy_module, gpu_unavailable_reason, is_device, runtime
+from .errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, PeerLostError
+from .matching import Matcher, check
+
+ENV_DEVICE = "COLLECTIVES_DEVICE"
+"""The GPU this rank uses (a CUDA device number); default: the local rank (modulo the GPUs seen)."""
+
+_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+"""Where launchers say which of a node's ranks this process is (ours, Open MPI, MPICH, Slurm)."""
+
+MAX_HEADER_BYTES = 512
+UID_BYTES = 128
+_ENVELOPE = struct.Struct("<qqqHB")
+"""Sequence number, tag, size in bytes, header length, whether a unique id follows."""
+ENVELOPE_BYTES = _ENVELOPE.size + MAX_HEADER_BYTES + UID_BYTES
+_ENVELOPE_HEADER = b"nccl envelope"
+_ENVELOPE_TAG = 0
+_WORLD_ID_TAG = 1
+_CHANNEL_KEY = -1
+"""The key of the control transport's duplicate that carries envelopes (the communicator's own
+duplicates take positive keys)."""
+
+_FIRST_POLL, _LAST_POLL = 20e-6, 1e-3
+_TEARDOWN_SECONDS = 5.0
+"""How long closing or aborting waits for NCCL to let go of its communicators."""
+
+NCCL_DTYPES = tuple(
+    np.dtype(name) for name in ("float16", "float32", "float64", "int8", "uint8", "int32", "uint32", "int64", "uint64")
+)
+"""What `native_allreduce` reduces (NCCL's types that numpy and CuPy share)."""
+
+
+# -- the seam: NCCL --------------------------------------------------------------------------------
+
+
+class Engine(Protocol):
+    """One NCCL communicator and the stream its operations run on. Each call queues its operation
+    after `after` (events of the caller's streams) and returns an event that completes with it."""
+
+    def send(self, buf: Buffer, peer: int, after: Sequence[Event]) -> Event: ...
+
+    def recv(self, buf: Buffer, peer: int, after: Sequence[Event]) -> Event: ...
+
+    def allreduce(self, src: Buffer, dst: Buffer, op: str, after: Sequence[Event]) -> Event: ...
+
+    def done(self, event: Event) -> bool:
+        """Whether the operation behind `event` has completed.
+
+        Raises:
+            Exception: NCCL reported an asynchronous error on this communicator.
+        """
+        ...
+
+    def abort(self) -> None:
+        """`ncclCommAbort`: end every pending operation, release nothing the GPU may still use."""
+        ...
+
+    def destroy(self) -> None:
+        """`ncclCommDestroy`, for a communicator with nothing pending."""
+        ...
+
+
+class Library(Protocol):
+    """What the transport needs from NCCL: unique ids, communicators, device scratch."""
+
+    version: str
+
+    def unique_id(self) -> bytes:
+        """A new `ncclUniqueId` as 128 bytes."""
+        ...
+
+    def connect(self, size: int, uid: bytes, rank: int, device_id: int) -> Engine:
+        """`ncclCommInitRank` on `device_id`: returns once all `size` ranks have joined."""
+        ...
+
+    def scratch(self, nbytes: int, device_id: int) -> Buffer:
+        """An uninitialised uint8 device array of `nbytes` on `device_id`."""
+        ...
+
+    def device_count(self) -> int: ...
+
+
+class CupyNccl:
+    """`Library` over `cupy.cuda.nccl` (CuPy >= 13, with NCCL found: the nvidia-nccl wheels).
+
+    Raises:
+        BackendUnavailableError: CuPy missing, no GPU, or CuPy without NCCL.
+    """
+
+    _OPS = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX", "min": "NCCL_MIN"}
+
+    def __init__(self) -> None:
+        cupy = cupy_module()
+        reason = gpu_unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError("nccl", "cupy", "gpu", reason)
+        try:
+            from cupy.cuda import nccl
+        except ImportError as error:
+            raise BackendUnavailableError("nccl", "cupy", "gpu", f"CuPy cannot load NCCL ({error})") from None
+        if not getattr(nccl, "available", True):
+            raise BackendUnavailableError(
+                "nccl", "cupy", "gpu", "CuPy finds no NCCL library; install nvidia-nccl-cu12 (or -cu13, as CuPy's CUDA)"
+            )
+        self._cupy = cupy
+        self._nccl = nccl
+        self.version = _version_text(nccl.get_version())
+        self._types = {np.dtype(name): getattr(nccl, f"NCCL_{name.upper()}") for name in map(str, NCCL_DTYPES)}
+
+    def unique_id(self) -> bytes:
+        uid = self._nccl.get_unique_id()
+        if isinstance(uid, bytes):
+            return uid
+        return bytes(value & 0xFF for value in uid)  # CuPy 13: a tuple of signed chars
+
+    def connect(self, size: int, uid: bytes, rank: int, device_id: int) -> Engine:
+        handle: Any = uid if isinstance(self._nccl.get_unique_id(), bytes) else tuple(np.frombuffer(uid, np.int8))
+        with self._cupy.cuda.Device(device_id):
+            communicator = self._nccl.NcclCommunicator(size, handle, rank)
+            return _CupyEngine(self, communicator, device_id)
+
+    def scratch(self, nbytes: int, device_id: int) -> Buffer:
+        with self._cupy.cuda.Device(device_id):
+            return self._cupy.empty(nbytes, dtype=self._cupy.uint8)
+
+    def device_count(self) -> int:
+        return int(self._cupy.cuda.runtime.getDeviceCount())
+
+
+class _CupyEngine:
+    """`Engine` over one `cupy.cuda.nccl.NcclCommunicator`, on a non-blocking stream of its own."""
+
+    def __init__(self, library: CupyNccl, communicator: Any, device_id: int) -> None:
+        self._cuda = library._cupy.cuda
+        self._nccl = library._nccl
+        self._types = library._types
+        self._communicator = communicator
+        self._device_id = device_id
+        with self._cuda.Device(device_id):
+            self._stream = self._cuda.Stream(non_blocking=True)
+
+    def _issue(self, after: Sequence[Event], call: Callable[[int], None]) -> Event:
+        with self._cuda.Device(self._device_id):
+            for event in after:
+                if event is not None:
+                    self._stream.wait_event(event)
+            call(self._stream.ptr)
+            finished = self._cuda.Event(block=False, disable_timing=True)
+            finished.record(self._stream)
+        return finished
+
+    def send(self, buf: Buffer, peer: int, after: Sequence[Event]) -> Event:
+        uint8 = self._nccl.NCCL_UINT8
+        return self._issue(
+            after, lambda stream: self._communicator.send(_address(buf), buf.nbytes, uint8, peer, stream)
+        )
+
+    def recv(self, buf: Buffer, peer: int, after: Sequence[Event]) -> Event:
+        uint8 = self._nccl.NCCL_UINT8
+        return self._issue(
+            after, lambda stream: self._communicator.recv(_address(buf), buf.nbytes, uint8, peer, stream)
+        )
+
+    def allreduce(self, src: Buffer, dst: Buffer, op: str, after: Sequence[Event]) -> Event:
+        nccl_type = self._types[np.dtype(src.dtype)]
+        nccl_op = getattr(self._nccl, CupyNccl._OPS[op])
+        return self._issue(
+            after,
+            lambda stream: self._communicator.allReduce(
+                _address(src), _address(dst), src.size, nccl_type, nccl_op, stream
+            ),
+        )
+
+    def done(self, event: Event) -> bool:
+        if event.done:
+            return True
+        self._communicator.check_async_error()
+        return False
+
+    def abort(self) -> None:
+        self._communicator.abort()
+
+    def destroy(self) -> None:
+        self._communicator.destroy()
+
+
+def _address(buf: Buffer) -> int:
+    return int(buf.__cuda_array_interface__["data"][0])
+
+
+def _version_text(code: int) -> str:
+    """NCCL's version code (22809, or 2.18's 21803) as "2.28.9"."""
+    major, rest = divmod(code, 10000)
+    minor, patch = divmod(rest, 100)
+    return f"{major}.{minor}.{patch}"
+
+
+_library: Library | None = None
+_library_lock = threading.Lock()
+
+
+def library() -> Library:
+    """The active NCCL library: CuPy's, made on first use.
+
+    Raises:
+        BackendUnavailableError: CuPy, a GPU or NCCL is missing.
+    """
+    global _library
+    with _library_lock:
+        if _library is None:
+            _library = CupyNccl()
+        return _library
+
+
+def use_library(replacement: Library | None) -> Library | None:
+    """Make `replacement` the active library (None: CuPy's again, on next use); returns the one
+    it replaces. The seam through which tests run this transport on a fake NCCL."""
+    global _library
+    with _library_lock:
+        previous, _library = _library, replacement
+    return previous
+
+
+def default_device(environ: Mapping[str, str], device_count: int) -> int:
+    """COLLECTIVES_DEVICE if set, else the local rank the launcher gave (modulo the GPUs), else 0.
+
+    Raises:
+        ValueError: COLLECTIVES_DEVICE is not a device number below `device_count`.
+    """
+    explicit = environ.get(ENV_DEVICE)
+    if explicit:
+        if not explicit.isdigit() or int(explicit) >= device_count:
+            raise ValueError(f"{ENV_DEVICE}={explicit!r} is not a GPU of this machine (it has {device_count})")
+        return int(explicit)
+    for name in _LOCAL_RANK_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value) % max(device_count, 1)
+    return 0
+
+
+# -- envelopes -------------------------------------------------------------------------------------
+
+
+def encode_envelope(sequence: int, tag: int, nbytes: int, header: bytes, uid: bytes | None) -> np.ndarray:
+    """The fixed-size envelope that announces one device message (and, first, the pair's unique id)."""
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(f"message headers are limited to {MAX_HEADER_BYTES} bytes, got {len(header)}")
+    envelope = np.zeros(ENVELOPE_BYTES, dtype=np.uint8)
+    fixed = _ENVELOPE.pack(sequence, tag, nbytes, len(header), uid is not None)
+    body = fixed + header
+    envelope[: len(body)] = np.frombuffer(body, np.uint8)
+    if uid is not None:
+        envelope[ENVELOPE_BYTES - UID_BYTES :] = np.frombuffer(uid, np.uint8)
+    return envelope
+
+
+def decode_envelope(envelope: np.ndarray) -> tuple[int, int, int, bytes, bytes | None]:
+    """(sequence, tag, nbytes, header, uid or None) of an envelope."""
+    raw = envelope.tobytes()
+    sequence, tag, nbytes, header_length, has_uid = _ENVELOPE.unpack_from(raw)
+    header = raw[_ENVELOPE.size : _ENVELOPE.size + header_length]
+    return sequence, tag, nbytes, header, raw[ENVELOPE_BYTES - UID_BYTES :] if has_uid else None
+
+
+# -- requests --------------------------------------------------------------------------------------
+
+
+class _Arrived:
+    """A message received into scratch before its receive was posted."""
+
+    __slots__ = ("header", "nbytes", "scratch", "event", "engine")
+
+    def __init__(self, header: bytes, nbytes: int, scratch: Buffer, event: Event, engine: Engine | None) -> None:
+        self.header = header
+        self.nbytes = nbytes
+        self.scratch = scratch
+        self.event = event
+        self.engine = engine
+
+
+class NcclRequest(PostedRequest):
+    """A device send or receive (`Request`): done when its NCCL operation (and, for a receive
+    whose message arrived first, the copy out of scratch) has finished on the GPU."""
+
+    __slots__ = (
+        "ready",
+        "operation",
+        "arrived",
+        "envelope",
+        "_envelope_bytes",
+        "_transport",
+        "_settled",
+        "_error",
+        "__weakref__",
+    )
+
+    def __init__(self, transport: NcclTransport, kind: str, peer: int, tag: int, buf: Buffer, header: bytes) -> None:
+        PostedRequest.__init__(self, kind, transport.rank, peer, tag, buf, header)
+        self.ready: Event = runtime().ready(buf)
+        """Recorded on the caller's stream when posted: the NCCL call waits for it."""
+        self.operation: tuple[Engine, Event] | None = None
+        """The communicator and the event that completes with the NCCL operation, once issued (the
+        event None for an empty message); one attribute, set at once by the progress thread."""
+        self.arrived: _Arrived | None = None
+        self.envelope: Request | None = None
+        self._envelope_bytes: np.ndarray | None = None
+        self._transport = transport
+        self._settled = False
+        self._error: BaseException | None = None
+
+    def issued(self, engine: Engine, event: Event) -> None:
+        self.operation = (engine, event)
+
+    def fail(self, error: BaseException) -> None:
+        if not self._settled:
+            self._error = error
+            self._settled = True
+
+    def test(self) -> bool:
+        if self._settled:
+            return True
+        try:
+            finished = self._progress()
+        except CollectiveError as error:  # the envelope's channel failed
+            self.fail(error)
+            return True
+        except Exception as error:  # noqa: BLE001 - an NCCL or CUDA error fails this request
+            self.fail(
+                CollectiveError(
+                    f"rank {self.rank}: NCCL {self.kind} {self._direction()} (tag {self.tag}) failed: {error}"
+                )
+            )
+            return True
+        if finished:
+            self._settled = True
+            self.buf = None
+            return True
+        failure = self._transport.failure_for(self.peer)
+        if failure is not None:
+            self.fail(failure)
+            return True
+        return False
+
+    def _progress(self) -> bool:
+        """Whether the operation has finished (copying a message out of scratch once it has)."""
+        if self.envelope is not None and not self.envelope.test():
+            return False
+        if self.envelope is not None:
+            self.envelope.wait(0.0)  # raises the channel's error, if the envelope failed
+        arrived = self.arrived
+        if arrived is not None:
+            if arrived.event is not None and arrived.engine is not None and not arrived.engine.done(arrived.event):
+                return False
+            if self.nbytes:
+                runtime().copy(self.buf, arrived.scratch.view(self.buf.dtype), (self.ready,))
+            self.arrived = None
+            return True
+        operation = self.operation
+        if operation is None:
+            return False
+        engine, event = operation
+        return event is None or engine.done(event)
+
+    def wait(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _FIRST_POLL
+        while not self.test():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"NCCL {self.kind} rank {self.rank} {self._direction()} tag {self.tag}")
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_POLL)
+        if self._error is not None:
+            raise self._error
+
+    def _direction(self) -> str:
+        return f"to rank {self.peer}" if self.kind == "send" else f"from rank {self.peer}"
+
+
+class _SendEdge:
+    """This rank's side of the pair communicator to one peer, as sender."""
+
+    __slots__ = ("lock", "engine", "sequence", "error")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.engine: Engine | None = None
+        self.sequence = 0
+        self.error: CollectiveError | None = None
+
+
+# -- the transport ---------------------------------------------------------------------------------
+
+
+class NcclTransport(Transport):
+    """Device buffers through NCCL, host buffers and control through `control`.
+
+    Collective: every rank constructs it at the same point (it duplicates `control`).
+
+    Args:
+        control: the host transport (MPI, gRPC or threads) this one bootstraps over.
+        device_id: the GPU; default `default_device` (COLLECTIVES_DEVICE, else the local rank).
+        timeout: seconds a communicator's creation may take before it fails.
+        nccl: the NCCL library (default `library()`).
+
+    Raises:
+        BackendUnavailableError: CuPy, a GPU or NCCL is missing.
+    """
+
+    needs_host_staging = False
+    has_native_allreduce = True
+    native_dtypes = NCCL_DTYPES
+    duplicable = True
+
+    def __init__(
+        self, control: Transport, *, device_id: int | None = None, timeout: float = 60.0, nccl: Library | None = None
+    ) -> None:
+        self._nccl = nccl if nccl is not None else library()
+        self.control = control
+        self.rank = control.rank
+        self.size = control.size
+        self.host = control.host
+        self.agrees_natively = control.agrees_natively
+        self.device_id = default_device(os.environ, self._nccl.device_count()) if device_id is None else device_id
+        self.timeout = timeout
+        self._channel = control.dup(_CHANNEL_KEY)
+        self._lock = threading.Lock()
+        self._matcher: Matcher[tuple[int, int], NcclRequest, _Arrived] = Matcher()
+        self._send_edges = {peer: _SendEdge() for peer in range(self.size) if peer != self.rank}
+        self._receive_engines: dict[int, Engine] = {}
+        self._next_sequence = dict.fromkeys(self._send_edges, 0)
+        self._world: Engine | None = None
+        self._failure: BaseException | None = None
+        self._peer_failures: dict[int, BaseException] = {}
+        self._posted: weakref.WeakSet[NcclRequest] = weakref.WeakSet()
+        """Device requests still referenced: closing destroys the communicators only if all are done."""
+        self._stopping = False
+        self._progress = threading.Thread(target=self._take_envelopes, name=f"nccl-rank{self.rank}", daemon=True)
+        self._progress.start()
+
+    # -- failure state ----------------------------------------------------------------------------
+
+    def failure_for(self, peer: int) -> BaseException | None:
+        """Why operations with `peer` can no longer complete (this rank aborted or closed, or the
+        peer's channel failed), or None."""
+        return self._failure or self._peer_failures.get(peer)
+
+    def _peer_failed(self, peer: int, error: BaseException) -> None:
+        with self._lock:
+            self._peer_failures.setdefault(peer, error)
+            withdrawn, _ = self._matcher.withdraw(receives=lambda receive: receive.peer == peer)
+        for receive in withdrawn:
+            receive.fail(error)
+
+    # -- point to point ---------------------------------------------------------------------------
+
+    def isend(self, buf: Buffer, dst: int, tag: int, header: bytes) -> Request:
+        if not is_device(buf):
+            return self.control.isend(buf, dst, tag, header)
+        check_buffer(buf)
+        request = NcclRequest(self, "send", dst, tag, buf, header)
+        self._posted.add(request)
+        failure = self.failure_for(dst)
+        if failure is not None:
+            request.fail(failure)
+            return request
+        edge = self._send_edges[dst]
+        with edge.lock:
+            if edge.error is not None:
+                request.fail(edge.error)
+                return request
+            uid = self._nccl.unique_id() if edge.engine is None else None
+            envelope = encode_envelope(edge.sequence, tag, buf.nbytes, header, uid)
+            edge.sequence += 1
+            request._envelope_bytes = envelope
+            request.envelope = self._channel.isend(envelope, dst, _ENVELOPE_TAG, _ENVELOPE_HEADER)
+            if uid is not None:
+                try:
+                    edge.engine = self._connect(2, uid, 0, f"the NCCL link to rank {dst}")
+                except CollectiveError as error:
+                    edge.error = error
+                    request.fail(error)
+                    return request
+            engine = edge.engine
+            assert engine is not None
+            request.issued(engine, engine.send(buf, 1, (request.ready,)) if buf.nbytes else None)
+        return request
+
+    def irecv(self, buf: Buffer, src: int, tag: int, header: bytes) -> Request:
+        if not is_device(buf):
+            return self.control.irecv(buf, src, tag, header)
+        check_buffer(buf)
+        request = NcclRequest(self, "recv", src, tag, buf, header)
+        self._posted.add(request)
+        with self._lock:
+            failure = self.failure_for(src)
+            arrived = None if failure is not None else self._matcher.take_message((src, tag))
+            if failure is None and arrived is None:
+                self._matcher.post_receive((src, tag), request)
+        if failure is not None:
+            request.fail(failure)
+        elif arrived is not None:
+            mismatch = check(request, arrived.header, arrived.nbytes)
+            if mismatch is not None:
+                request.fail(mismatch)
+            else:
+                request.arrived = arrived
+        return request
+
+    def wait_any(self, requests: Sequence[Request], timeout: float) -> None:
+        host = [request for request in requests if not isinstance(request, NcclRequest)]
+        if len(host) == len(requests):
+            self.control.wait_any(requests, timeout)
+            return
+        deadline = time.monotonic() + timeout
+        pause = _FIRST_POLL
+        while not any(request.test() for request in requests):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"none of {len(requests)} requests completed within {timeout:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_POLL)
+
+    # -- the receiving side's progress thread -----------------------------------------------------
+
+    def _take_envelopes(self) -> None:
+        """Take every peer's envelopes in order and issue the NCCL receive of each at once."""
+        buffers = {peer: np.empty(ENVELOPE_BYTES, dtype=np.uint8) for peer in self._send_edges}
+        posted = {
+            peer: self._channel.irecv(buf, peer, _ENVELOPE_TAG, _ENVELOPE_HEADER) for peer, buf in buffers.items()
+        }
+        while posted and not self._stopping:
+            try:
+                self._channel.wait_any(list(posted.values()), 0.2)
+            except TimeoutError:
+                continue
+            except CollectiveError:
+                pass  # the failed request's own wait says which
+            for peer, request in list(posted.items()):
+                if not request.test():
+                    continue
+                try:
+                    request.wait(0.0)
+                except CollectiveError as error:
+                    del posted[peer]
+                    self._peer_failed(peer, error)
+                    continue
+                try:
+                    self._deliver(peer, *decode_envelope(buffers[peer]))
+                except CollectiveError as error:
+                    del posted[peer]
+                    self._peer_failed(peer, error)
+                    continue
+                posted[peer] = self._channel.irecv(buffers[peer], peer, _ENVELOPE_TAG, _ENVELOPE_HEADER)
+
+    def _deliver(self, peer: int, sequence: int, tag: int, nbytes: int, header: bytes, uid: bytes | None) -> None:
+        """Issue the NCCL receive of the message an envelope announces: into its posted receive,
+        else into scratch."""
+        engine = self._receive_engines.get(peer)
+        if engine is None:
+            if uid is None:
+                raise CollectiveError(f"rank {self.rank}: rank {peer}'s first device message carried no NCCL id")
+            engine = self._receive_engines[peer] = self._connect(2, uid, 1, f"the NCCL link from rank {peer}")
+        if sequence != self._next_sequence[peer]:
+            raise CollectiveError(
+                f"rank {self.rank}: device message {sequence} from rank {peer} arrived when "
+                f"{self._next_sequence[peer]} was due"
+            )
+        self._next_sequence[peer] += 1
+        with self._lock:
+            receive = self._matcher.take_receive((peer, tag))
+        mismatch = None if receive is None else check(receive, header, nbytes)
+        if receive is not None and mismatch is None:
+            receive.issued(engine, engine.recv(receive.buf, 0, (receive.ready,)) if nbytes else None)
+            return
+        scratch = self._nccl.scratch(nbytes, self.device_id)
+        arrived = _Arrived(header, nbytes, scratch, engine.recv(scratch, 0, ()) if nbytes else None, engine)
+        if receive is not None and mismatch is not None:
+            receive.fail(mismatch)  # the message is still taken, so that the pair stays in step
+            return
+        with self._lock:
+            late = self._matcher.take_receive((peer, tag))  # posted while the scratch was made
+            if late is None:
+                self._matcher.hold_message((peer, tag), arrived)
+                return
+        mismatch = check(late, header, nbytes)
+        if mismatch is not None:
+            late.fail(mismatch)
+        else:
+            late.arrived = arrived
+
+    # -- communicators ----------------------------------------------------------------------------
+
+    def _connect(self, size: int, uid: bytes, rank: int, what: str) -> Engine:
+        """An NCCL communicator, made on a daemon thread within the timeout (ncclCommInitRank has none).
+
+        Raises:
+            CollectiveTimeoutError: not made within the timeout (the thread is left behind).
+            CollectiveError: NCCL refused.
+        """
+        outcome: list[Any] = []
+
+        def make() -> None:
+            try:
+                outcome.append(self._nccl.connect(size, uid, rank, self.device_id))
+            except Exception as error:  # noqa: BLE001 - reported to the caller below
+                outcome.append(error)
+
+        thread = threading.Thread(target=make, name=f"nccl-init-rank{self.rank}", daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if not outcome:
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: creating {what} on GPU {self.device_id} did not finish within {self.timeout:g} s",
+                rank=self.rank,
+                peer=-1,
+                tag=-1,
+                seconds=self.timeout,
+            )
+        if isinstance(outcome[0], Exception):
+            raise CollectiveError(f"rank {self.rank}: creating {what} on GPU {self.device_id} failed: {outcome[0]}")
+        engine: Engine = outcome[0]
+        return engine
+
+    def _world_engine(self, deadline: float) -> Engine:
+        """The communicator of every rank, made on first use: rank 0's unique id goes to every
+        rank over the channel (all ranks are in the same native collective when this runs)."""
+        if self._world is not None:
+            return self._world
+        envelope = np.zeros(UID_BYTES, dtype=np.uint8)
+        if self.rank == 0:
+            envelope[:] = np.frombuffer(self._nccl.unique_id(), np.uint8)
+            sends = [self._channel.isend(envelope, peer, _WORLD_ID_TAG, b"nccl world id") for peer in self._send_edges]
+            for send in sends:
+                send.wait(max(deadline - time.monotonic(), 0.0))
+        else:
+            self._channel.irecv(envelope, 0, _WORLD_ID_TAG, b"nccl world id").wait(
+                max(deadline - time.monotonic(), 0.0)
+            )
+        self._world = self._connect(self.size, envelope.tobytes(), self.rank, "the NCCL communicator of every rank")
+        return self._world
+
+    def _engines(self) -> list[Engine]:
+        engines = [edge.engine for edge in self._send_edges.values() if edge.engine is not None]
+        engines += list(self._receive_engines.values())
+        return engines + ([self._world] if self._world is not None else [])
+
+    # -- the engine's own collectives -------------------------------------------------------------
+
+    def native_allreduce(self, src: Buffer, dst: Buffer, op: str, timeout: float | None = None, tag: int = 0) -> None:
+        """`ncclAllReduce`; a host buffer is staged through device memory around it.
+
+        Raises:
+            TimeoutError: not complete within `timeout`.
+        """
+        if not (is_device(src) and is_device(dst)):
+            gpu = runtime()
+            on_device = [buf if is_device(buf) else self.measurement_buffer(buf.size, buf.dtype) for buf in (src, dst)]
+            if not is_device(src):
+                gpu.copy(on_device[0], src, ())
+            self.native_allreduce(on_device[0], on_device[1], op, timeout=timeout, tag=tag)
+            if not is_device(dst):
+                gpu.copy(dst, on_device[1], ())
+            return
+        if self._failure is not None:
+            raise self._failure
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        world = self._world_engine(deadline)
+        gpu = runtime()
+        event = world.allreduce(src, dst, op, (gpu.ready(src), gpu.ready(dst)))
+        pause = _FIRST_POLL
+        while not world.done(event):
+            failure = self._failure or next(iter(self._peer_failures.values()), None)
+            if failure is not None:
+                raise failure
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"rank {self.rank}: ncclAllReduce did not complete")
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_POLL)
+
+    def measurement_buffer(self, count: int, dtype: Any) -> Buffer:
+        """Device memory on this rank's GPU: what this transport's users send, so what probes and
+        tuning time. (`empty`, the scratch that host data is received into, stays host memory.)"""
+        return self._nccl.scratch(count * np.dtype(dtype).itemsize, self.device_id).view(dtype)
+
+    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> Request:
+        return self.control.start_agreement(digest, result, tag)
+
+    def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
+        return self.control.gather_headers(header, tag, timeout)
+
+    def announce_waiting(self, tag: int) -> None:
+        self.control.announce_waiting(tag)
+
+    def waiting_ranks(self, tag: int) -> set[int]:
+        return self.control.waiting_ranks(tag)
+
+    # -- duplicates, abort, close -----------------------------------------------------------------
+
+    def dup(self, key: int) -> NcclTransport:
+        """A transport over `control.dup(key)` on the same GPU, with NCCL communicators of its own."""
+        return NcclTransport(self.control.dup(key), device_id=self.device_id, timeout=self.timeout, nccl=self._nccl)
+
+    def abort(self, error: BaseException, since_tag: int | None = None) -> None:
+        """Tell the peers (control, then the channel), fail every pending device operation, and
+        abort the NCCL communicators so that no stream stays blocked on a peer that is gone."""
+        self.control.abort(error, since_tag)
+        failure = error if isinstance(error, CollectiveError) else PeerLostError(f"rank {self.rank} aborted: {error}")
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = failure
+            receives, _ = self._matcher.drain()
+        self._channel.abort(error, None)
+        for receive in receives:
+            receive.fail(failure)
+        if first:
+            _bounded(self._engines(), "abort", f"nccl-abort-rank{self.rank}")
+
+    def close(self) -> None:
+        """Stop the progress thread and release the communicators (destroyed when nothing failed,
+        else aborted); then close the channel and the control transport."""
+        with self._lock:
+            healthy = self._failure is None and not any(request.test() is False for request in list(self._posted))
+            if self._failure is None:
+                self._failure = PeerLostError(f"rank {self.rank}: transport already closed")
+        self._stopping = True
+        self._channel.close()
+        self._progress.join(_TEARDOWN_SECONDS)
+        _bounded(self._engines(), "destroy" if healthy else "abort", f"nccl-close-rank{self.rank}")
+        self.control.close()
+
+
+def _bounded(engines: Sequence[Engine], action: str, name: str) -> None:
+    """Call `action` ("abort" or "destroy") on every engine, on a daemon thread joined for a few
+    seconds: NCCL may block in either when a peer is gone, and must never hang this rank."""
+    if not engines:
+        return
+
+    def run() -> None:
+        for engine in engines:
+            try:
+                getattr(engine, action)()
+            except Exception:  # noqa: BLE001, S110 - teardown of a communicator that already failed
+                pass
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(_TEARDOWN_SECONDS)

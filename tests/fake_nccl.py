@@ -1,0 +1,143 @@
+"""A fake NCCL (`backends.nccl.Library`) over numpy, for running the NCCL transport without a GPU.
+
+It keeps what the transport relies on: a communicator exists once all its ranks have joined
+(`connect` blocks until then); between two ranks of one communicator, sends and receives pair in
+the order they are issued, with no tags, and neither completes before its partner is posted; an
+all-reduce completes when every rank has called it, the same reduction on every rank; `abort`
+makes every later query of the communicator raise, as `check_async_error` does. Buffers are the
+fake device arrays of `fake_gpu` (the fake runtime must be installed too).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from fake_gpu import on_device
+
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+class FakeNcclEvent:
+    """Completes (`set`) when the operation it stands for has."""
+
+    def __init__(self) -> None:
+        self.completed = threading.Event()
+
+
+class _FakeWorld:
+    """What the ranks of one communicator share: pending point-to-point halves, all-reduce rounds."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.joined = 0
+        self.lock = threading.Lock()
+        self.sends: dict[tuple[int, int], deque[tuple[Any, FakeNcclEvent]]] = {}
+        self.receives: dict[tuple[int, int], deque[tuple[Any, FakeNcclEvent]]] = {}
+        self.rounds: dict[int, dict[int, tuple[Any, Any, str, FakeNcclEvent]]] = {}
+
+
+class FakeEngine:
+    """One rank's fake communicator."""
+
+    def __init__(self, world: _FakeWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.aborted = False
+        self.destroyed = False
+        self._calls = 0
+
+    def send(self, buf: Any, peer: int, after: Sequence[Any]) -> FakeNcclEvent:
+        return self._pair(self.world.sends, self.world.receives, (self.rank, peer), buf, sending=True)
+
+    def recv(self, buf: Any, peer: int, after: Sequence[Any]) -> FakeNcclEvent:
+        return self._pair(self.world.receives, self.world.sends, (peer, self.rank), buf, sending=False)
+
+    def _pair(self, mine: dict, theirs: dict, key: tuple[int, int], buf: Any, *, sending: bool) -> FakeNcclEvent:
+        event = FakeNcclEvent()
+        with self.world.lock:
+            waiting = theirs.get(key)
+            if not waiting:
+                mine.setdefault(key, deque()).append((buf, event))
+                return event
+            other, other_event = waiting.popleft()
+        source, target = (buf, other) if sending else (other, buf)
+        assert source.nbytes == target.nbytes, "fake NCCL: a send and a receive of different sizes paired"
+        np.copyto(np.asarray(target).view(np.uint8), np.asarray(source).view(np.uint8))
+        other_event.completed.set()
+        event.completed.set()
+        return event
+
+    def allreduce(self, src: Any, dst: Any, op: str, after: Sequence[Any]) -> FakeNcclEvent:
+        event = FakeNcclEvent()
+        with self.world.lock:
+            round_ = self.world.rounds.setdefault(self._calls, {})
+            round_[self.rank] = (src, dst, op, event)
+            self._calls += 1
+            if len(round_) < self.world.size:
+                return event
+            del self.world.rounds[self._calls - 1]
+        inputs = [np.asarray(round_[rank][0]).copy() for rank in range(self.world.size)]
+        result = functools.reduce(_UFUNCS[op], inputs)
+        for _, target, _, done in round_.values():
+            np.copyto(np.asarray(target), result)
+            done.completed.set()
+        return event
+
+    def done(self, event: FakeNcclEvent) -> bool:
+        if event.completed.is_set():
+            return True
+        if self.aborted:
+            raise RuntimeError("NCCL_ERROR_REMOTE_ERROR: the communicator was aborted (fake)")
+        return False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+class FakeNccl:
+    """`Library` over `FakeEngine`s; `hang_connects` makes communicator creation never finish."""
+
+    version = "0.0.0-fake"
+
+    def __init__(self) -> None:
+        self.engines: list[FakeEngine] = []
+        self.hang_connects = False
+        self._worlds: dict[bytes, _FakeWorld] = {}
+        self._joined = threading.Condition()
+        self._released = threading.Event()
+
+    def unique_id(self) -> bytes:
+        return os.urandom(128)
+
+    def connect(self, size: int, uid: bytes, rank: int, device_id: int) -> FakeEngine:
+        if self.hang_connects:
+            self._released.wait(60.0)
+            raise RuntimeError("fake ncclCommInitRank: released")
+        with self._joined:
+            world = self._worlds.setdefault(uid, _FakeWorld(size))
+            world.joined += 1
+            self._joined.notify_all()
+            if not self._joined.wait_for(lambda: world.joined >= size, timeout=30.0):
+                raise RuntimeError("fake ncclCommInitRank: not every rank joined within 30 s")
+            engine = FakeEngine(world, rank)
+            self.engines.append(engine)
+        return engine
+
+    def release(self) -> None:
+        """End the hanging `connect` calls (at the end of a test)."""
+        self._released.set()
+
+    def scratch(self, nbytes: int, device_id: int) -> Any:
+        return on_device(np.empty(nbytes, dtype=np.uint8))
+
+    def device_count(self) -> int:
+        return 1

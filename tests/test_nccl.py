@@ -1,0 +1,392 @@
+"""The NCCL transport without a GPU: over threads (the control transport), the fake GPU of
+`fake_gpu` and the fake NCCL of `fake_nccl`.
+
+What runs here is the transport's own logic: envelopes and the order of NCCL calls, matching by
+(peer, tag) whatever order receives are posted in, scratch for messages that arrive first, header
+and size checks, timeouts, communicator creation within the timeout, abort and close, native
+all-reduce, `init(backend="nccl")`, and the errors without CuPy or a GPU. test_gpu.py runs it on
+real NCCL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from fake_gpu import FakeDeviceArray, FakeRuntime, installed, on_device
+from fake_nccl import FakeNccl
+
+import collectives
+from collectives import Communicator
+from collectives.backends import nccl
+from collectives.backends.errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    MismatchError,
+    PeerLostError,
+)
+from collectives.backends.nccl import NcclRequest, NcclTransport, decode_envelope, default_device, encode_envelope
+from collectives.backends.threads import ThreadFabric
+
+H = b"allreduce algorithm=ring dtype=float32 shape=(6,) op=sum"
+WAIT = 10.0
+T = TypeVar("T")
+
+
+@pytest.fixture
+def gpu() -> Iterator[FakeRuntime]:
+    with installed() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake_nccl() -> Iterator[FakeNccl]:
+    fake = FakeNccl()
+    previous = nccl.use_library(fake)
+    yield fake
+    fake.release()
+    nccl.use_library(previous)
+
+
+def transports(size: int, fake: FakeNccl, timeout: float = WAIT) -> list[NcclTransport]:
+    """One NCCL transport per rank over one threads fabric (made side by side: each duplicates
+    its control transport)."""
+    fabric = ThreadFabric(["node"] * size)
+    return [NcclTransport(fabric.endpoint(rank), nccl=fake, device_id=0, timeout=timeout) for rank in range(size)]
+
+
+def run_nccl(body: Callable[[Communicator], T], size: int, fake: FakeNccl, timeout: float = WAIT) -> list[T]:
+    """`run_threads` with NCCL transports: `body(comm)` on every rank, results in rank order."""
+    fabric = ThreadFabric(["node"] * size)
+    results: list[Any] = [None] * size
+    failures: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        comm = None
+        try:
+            transport = NcclTransport(fabric.endpoint(rank), nccl=fake, device_id=0, timeout=timeout)
+            comm = Communicator(transport, timeout=timeout, segment_bytes=4096)
+            results[rank] = body(comm)
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            failures.append(error)
+            fabric.abort(rank, error)
+        finally:
+            if comm is not None:
+                comm.close()
+
+    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 10)
+        assert not thread.is_alive(), "a rank is stuck"
+    if failures:
+        raise failures[0]
+    return results
+
+
+def close_all(endpoints: list[NcclTransport]) -> None:
+    for endpoint in endpoints:
+        endpoint.close()
+
+
+# -- envelopes and the device choice ---------------------------------------------------------------
+
+
+def test_envelopes_round_trip_with_and_without_the_id() -> None:
+    uid = bytes(range(128))
+    assert decode_envelope(encode_envelope(3, 70, 4096, H, uid)) == (3, 70, 4096, H, uid)
+    assert decode_envelope(encode_envelope(0, 1, 0, b"", None)) == (0, 1, 0, b"", None)
+    with pytest.raises(ValueError, match="512 bytes"):
+        encode_envelope(0, 0, 0, b"x" * 513, None)
+
+
+def test_the_device_is_the_local_rank_unless_named() -> None:
+    assert default_device({}, 4) == 0
+    assert default_device({"LOCAL_RANK": "3"}, 4) == 3
+    assert default_device({"OMPI_COMM_WORLD_LOCAL_RANK": "5"}, 4) == 1  # more ranks than GPUs share them
+    assert default_device({"COLLECTIVES_DEVICE": "2", "LOCAL_RANK": "1"}, 4) == 2
+    with pytest.raises(ValueError, match="COLLECTIVES_DEVICE='7' is not a GPU of this machine"):
+        default_device({"COLLECTIVES_DEVICE": "7"}, 4)
+
+
+def test_without_cupy_or_a_gpu_the_library_says_what_is_missing() -> None:
+    """CI has neither: the error is a BackendUnavailableError naming what to install or what is missing."""
+    previous = nccl.use_library(None)
+    try:
+        with pytest.raises(BackendUnavailableError) as caught:
+            nccl.library()
+    finally:
+        nccl.use_library(previous)
+    assert "cupy" in str(caught.value).lower() or "gpu" in str(caught.value).lower()
+
+
+# -- point to point --------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("gpu")
+def test_a_device_message_goes_through_nccl_and_a_host_one_through_control(fake_nccl: FakeNccl) -> None:
+    endpoints = transports(2, fake_nccl)
+    try:
+        payload = on_device(np.arange(6, dtype=np.float32))
+        out = on_device(np.zeros(6, np.float32))
+        receive = endpoints[1].irecv(out, 0, 5, H)
+        endpoints[0].isend(payload, 1, 5, H).wait(WAIT)
+        receive.wait(WAIT)
+        np.testing.assert_array_equal(out, payload)
+        assert isinstance(receive, NcclRequest) and len(fake_nccl.engines) == 2  # one pair communicator
+        host_out = np.zeros(3)
+        host_receive = endpoints[0].irecv(host_out, 1, 6, H)
+        assert not isinstance(host_receive, NcclRequest)
+        endpoints[1].isend(np.ones(3), 0, 6, H).wait(WAIT)
+        host_receive.wait(WAIT)
+        np.testing.assert_array_equal(host_out, np.ones(3))
+    finally:
+        close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
+def test_receives_posted_in_another_order_than_the_sends_all_complete(fake_nccl: FakeNccl) -> None:
+    """NCCL pairs in issue order and has no tags: the receiver takes messages in the sender's order,
+    into the posted receive or into scratch, and a receive posted later copies from there."""
+    endpoints = transports(2, fake_nccl)
+    try:
+        sends = [endpoints[0].isend(on_device(np.full(4, tag, np.float64)), 1, tag, H) for tag in (10, 11, 12)]
+        last = on_device(np.zeros(4))
+        endpoints[1].irecv(last, 0, 12, H).wait(WAIT)  # the third message, received first
+        outs = {tag: on_device(np.zeros(4)) for tag in (11, 10)}
+        for tag, out in outs.items():
+            endpoints[1].irecv(out, 0, tag, H).wait(WAIT)
+        for send in sends:
+            send.wait(WAIT)
+        np.testing.assert_array_equal(last, np.full(4, 12.0))
+        for tag, out in outs.items():
+            np.testing.assert_array_equal(out, np.full(4, float(tag)))
+    finally:
+        close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
+def test_messages_of_one_tag_arrive_in_order_and_empty_ones_pass(fake_nccl: FakeNccl) -> None:
+    endpoints = transports(2, fake_nccl)
+    try:
+        outs = [on_device(np.zeros(3, np.int32)) for _ in range(3)]
+        receives = [endpoints[1].irecv(out, 0, 7, H) for out in outs]
+        empty = endpoints[1].irecv(on_device(np.zeros(0, np.int32)), 0, 8, H)
+        for value in range(3):
+            endpoints[0].isend(on_device(np.full(3, value, np.int32)), 1, 7, H)
+        endpoints[0].isend(on_device(np.zeros(0, np.int32)), 1, 8, H).wait(WAIT)
+        endpoints[0].isend(on_device(np.zeros(0, np.int32)), 1, 9, H).wait(WAIT)
+        time.sleep(0.1)  # the second empty message arrives before its receive: it waits as scratch
+        late_empty = endpoints[1].irecv(on_device(np.zeros(0, np.int32)), 0, 9, H)
+        for request in [*receives, empty, late_empty]:
+            request.wait(WAIT)
+        for value, out in enumerate(outs):
+            np.testing.assert_array_equal(out, np.full(3, value))
+    finally:
+        close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("posted_first", [True, False])
+def test_a_mismatch_fails_the_receive_and_the_pair_stays_in_step(fake_nccl: FakeNccl, posted_first: bool) -> None:
+    endpoints = transports(2, fake_nccl)
+    try:
+        other = b"allreduce algorithm=tree dtype=float32 shape=(6,) op=sum"
+        wrong = on_device(np.zeros(6, np.float32))
+        if posted_first:
+            receive = endpoints[1].irecv(wrong, 0, 3, H)
+            endpoints[0].isend(on_device(np.ones(6, np.float32)), 1, 3, other).wait(WAIT)
+        else:
+            endpoints[0].isend(on_device(np.ones(6, np.float32)), 1, 3, other).wait(WAIT)
+            time.sleep(0.1)  # the envelope has arrived: the message waits in scratch
+            receive = endpoints[1].irecv(wrong, 0, 3, H)
+        with pytest.raises(MismatchError, match="algorithm=tree"):
+            receive.wait(WAIT)
+        out = on_device(np.zeros(2))
+        later = endpoints[1].irecv(out, 0, 4, H)
+        endpoints[0].isend(on_device(np.full(2, 9.0)), 1, 4, H).wait(WAIT)
+        later.wait(WAIT)
+        np.testing.assert_array_equal(out, np.full(2, 9.0))
+    finally:
+        close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
+def test_a_receive_times_out_and_stays_pending(fake_nccl: FakeNccl) -> None:
+    endpoints = transports(2, fake_nccl)
+    try:
+        out = on_device(np.zeros(2))
+        receive = endpoints[1].irecv(out, 0, 1, H)
+        with pytest.raises(TimeoutError, match="from rank 0"):
+            receive.wait(0.1)
+        endpoints[0].isend(on_device(np.ones(2)), 1, 1, H).wait(WAIT)
+        receive.wait(WAIT)
+        np.testing.assert_array_equal(out, np.ones(2))
+    finally:
+        close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
+def test_communicator_creation_is_bounded_by_the_timeout(fake_nccl: FakeNccl) -> None:
+    """ncclCommInitRank has no timeout of its own: a send whose pair communicator is not made in
+    time fails with CollectiveTimeoutError, and so do later sends to that peer."""
+    endpoints = transports(2, fake_nccl, timeout=0.3)
+    fake_nccl.hang_connects = True
+    try:
+        started = time.monotonic()
+        send = endpoints[0].isend(on_device(np.ones(2)), 1, 1, H)
+        with pytest.raises(CollectiveTimeoutError, match="creating the NCCL link to rank 1 on GPU 0"):
+            send.wait(WAIT)
+        assert time.monotonic() - started < 5.0
+        with pytest.raises(CollectiveTimeoutError):
+            endpoints[0].isend(on_device(np.ones(2)), 1, 2, H).wait(WAIT)
+    finally:
+        fake_nccl.release()
+        close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
+def test_abort_fails_the_peers_pending_device_receives_and_aborts_nccl(fake_nccl: FakeNccl) -> None:
+    endpoints = transports(2, fake_nccl)
+    try:
+        endpoints[0].isend(on_device(np.ones(2)), 1, 1, H).wait(WAIT)  # the pair communicator exists
+        endpoints[1].irecv(on_device(np.zeros(2)), 0, 1, H).wait(WAIT)
+        issued = endpoints[0].irecv(on_device(np.zeros(2)), 1, 2, H)
+        waiting = endpoints[1].irecv(on_device(np.zeros(2)), 0, 3, H)
+        endpoints[0].abort(RuntimeError("out of memory"))
+        for request in (issued, waiting):
+            with pytest.raises(CollectiveError, match="out of memory"):
+                request.wait(WAIT)
+        assert any(engine.aborted for engine in fake_nccl.engines if engine.rank == 0)
+        assert not any(engine.destroyed for engine in fake_nccl.engines)
+        with pytest.raises(CollectiveError, match="out of memory"):
+            endpoints[0].isend(on_device(np.ones(2)), 1, 4, H).wait(WAIT)
+    finally:
+        close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
+def test_a_lost_peer_fails_the_receives_from_it(fake_nccl: FakeNccl) -> None:
+    """A peer that closes (or dies: its channel fails the same way) fails what waits for it at once."""
+    endpoints = transports(3, fake_nccl)
+    try:
+        from_one = endpoints[0].irecv(on_device(np.zeros(2)), 1, 1, H)
+        from_two = endpoints[0].irecv(on_device(np.zeros(2)), 2, 1, H)
+        endpoints[1].close()
+        with pytest.raises(PeerLostError, match="rank 1"):
+            from_one.wait(WAIT)
+        assert not from_two.test()
+    finally:
+        for endpoint in (endpoints[0], endpoints[2]):
+            endpoint.close()
+
+
+@pytest.mark.usefixtures("gpu")
+def test_close_destroys_healthy_communicators(fake_nccl: FakeNccl) -> None:
+    endpoints = transports(2, fake_nccl)
+    endpoints[0].isend(on_device(np.ones(2)), 1, 1, H).wait(WAIT)
+    endpoints[1].irecv(on_device(np.zeros(2)), 0, 1, H).wait(WAIT)
+    close_all(endpoints)
+    assert fake_nccl.engines and all(engine.destroyed and not engine.aborted for engine in fake_nccl.engines)
+
+
+# -- through the communicator ----------------------------------------------------------------------
+
+
+def _collectives(comm: Communicator, place: Callable[[np.ndarray], Any]) -> dict[str, Any]:
+    rng = np.random.default_rng(comm.rank)
+    x = place(rng.uniform(-1, 1, 3001).astype(np.float32))
+    results = {
+        f"allreduce {algorithm}": comm.allreduce(x, algorithm=algorithm, op="max" if algorithm == "tree" else "sum")
+        for algorithm in ("ring", "tree", "direct", "hierarchical", "parameter_server")
+    }
+    results["reduce_scatter"] = comm.reduce_scatter(x)
+    results["allgather"] = comm.allgather(x)
+    results["broadcast"] = comm.broadcast(x, root=comm.size - 1)
+    results["alltoall"] = comm.alltoall(place(np.concatenate([np.asarray(x)] * comm.size)))[0]
+    return results
+
+
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_every_collective_over_nccl_matches_the_threads_backend(fake_nccl: FakeNccl, size: int) -> None:
+    """Device buffers through NCCL, and host buffers through the control transport (scratch for
+    them in host memory), give the threads backend's exact results, on every rank."""
+    host = collectives.run_threads(lambda comm: _collectives(comm, np.asarray), size, segment_bytes=4096)
+    over_nccl = run_nccl(lambda comm: (_collectives(comm, on_device), _collectives(comm, np.asarray)), size, fake_nccl)
+    for rank in range(size):
+        on_gpu, on_host = over_nccl[rank]
+        for name, result in on_gpu.items():
+            assert isinstance(result, FakeDeviceArray), f"rank {rank} {name}"
+            np.testing.assert_array_equal(result, host[rank][name], err_msg=f"rank {rank} {name}")
+        for name, result in on_host.items():
+            assert type(result) is np.ndarray, f"rank {rank} {name}"
+            np.testing.assert_array_equal(result, host[rank][name], err_msg=f"rank {rank} {name}")
+
+
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("op", ["sum", "max", "mean"])
+def test_native_is_ncclallreduce_on_a_world_communicator(fake_nccl: FakeNccl, op: str) -> None:
+    def body(comm: Communicator) -> Any:
+        assert "native" in comm.algorithms
+        first = comm.allreduce(on_device(np.full(5, comm.rank + 1.0, np.float32)), op=op, algorithm="native")
+        second = comm.allreduce(on_device(np.full(5, comm.rank + 1.0, np.float32)), op=op, algorithm="native")
+        np.testing.assert_array_equal(first, second)
+        return first
+
+    expected = {"sum": 6.0, "max": 3.0, "mean": 2.0}[op]
+    for result in run_nccl(body, 3, fake_nccl):
+        assert isinstance(result, FakeDeviceArray)
+        np.testing.assert_array_equal(result, np.full(5, expected, np.float32))
+    assert sum(engine.world.size == 3 for engine in fake_nccl.engines) == 3  # one world communicator, made once
+
+
+@pytest.mark.usefixtures("gpu")
+def test_a_duplicate_has_communicators_of_its_own(fake_nccl: FakeNccl) -> None:
+    def body(comm: Communicator) -> Any:
+        twin = comm.dup()
+        try:
+            assert isinstance(twin._transport, NcclTransport)
+            return twin.allreduce(on_device(np.full(3, comm.rank + 1.0)), algorithm="ring")
+        finally:
+            twin.close()
+
+    for result in run_nccl(body, 2, fake_nccl):
+        np.testing.assert_array_equal(result, np.full(3, 3.0))
+
+
+@pytest.mark.usefixtures("gpu")
+def test_init_with_the_nccl_backend(fake_nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch) -> None:
+    """COLLECTIVES_BACKEND=nccl with no launcher: one rank over NCCL, on the threads control transport."""
+    monkeypatch.setenv("COLLECTIVES_BACKEND", "nccl")
+    comm = collectives.init(autotune="off")
+    try:
+        assert isinstance(comm._transport, NcclTransport) and comm.size == 1
+        result = comm.allreduce(on_device(np.arange(4.0)))
+        assert isinstance(result, FakeDeviceArray)
+        np.testing.assert_array_equal(result, np.arange(4.0))
+    finally:
+        comm.close()
+
+
+@pytest.mark.usefixtures("gpu")
+def test_host_buffers_reach_the_native_allreduce_through_the_device(fake_nccl: FakeNccl) -> None:
+    """`auto` may pick native for numpy input too, and tuning measures with the transport's own
+    buffers (device memory): both work."""
+
+    def body(comm: Communicator) -> Any:
+        assert isinstance(comm._transport.measurement_buffer(3, np.float32), FakeDeviceArray)
+        assert type(comm._transport.empty(3, np.float32)) is np.ndarray  # scratch for host data
+        result = comm.allreduce(np.full(4, comm.rank + 1.0), algorithm="native")
+        comm.calibrate()
+        return result
+
+    for result in run_nccl(body, 2, fake_nccl):
+        assert type(result) is np.ndarray
+        np.testing.assert_array_equal(result, np.full(4, 3.0))
