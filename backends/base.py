@@ -24,7 +24,8 @@ threads, MPI, gRPC or NCCL. It is deliberately small:
 * Optionally (`duplicable = True`), `dup(key)` makes a new endpoint over the same ranks whose
   messages, aborts and closing never touch this one's: what `Communicator.dup` builds on.
 * Optionally, `native_allreduce` runs the engine's own all-reduce (MPI_Allreduce, ncclAllReduce),
-  offered to users as `algorithm="native"` for side-by-side comparison.
+  offered to users as `algorithm="native"` for side-by-side comparison; `native_collectives` names
+  the reduce-scatter, all-gather and broadcast it also runs (NCCL), which device buffers then take.
 * Optionally (`fuses_receive_reduce = True`), `irecv_reduce` hands the incoming message to a
   callback instead of storing it, so a reduction reads the peer's data once, straight from where
   it arrives (the threads backend reads the sender's buffer). Algorithms fall back to receiving
@@ -250,6 +251,25 @@ class Transport(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no native all-reduce")
 
+    native_collectives: frozenset[str] = frozenset()
+    """Which of "reduce_scatter", "allgather" and "broadcast" the engine also runs itself (NCCL);
+    `Communicator` uses them for device buffers instead of its ring and tree."""
+
+    def native_reduce_scatter(
+        self, src: Buffer, dst: Buffer, op: str, timeout: float | None = None, tag: int = 0
+    ) -> None:
+        """The engine's reduce-scatter: `src` holds `size` equal blocks of `dst`'s size; this
+        rank's block of the reduction lands in `dst`. Raises TimeoutError past `timeout`."""
+        raise NotImplementedError(f"{type(self).__name__} has no native reduce-scatter")
+
+    def native_allgather(self, src: Buffer, dst: Buffer, timeout: float | None = None, tag: int = 0) -> None:
+        """The engine's all-gather: every rank's `src`, in rank order, into `dst`."""
+        raise NotImplementedError(f"{type(self).__name__} has no native all-gather")
+
+    def native_broadcast(self, buf: Buffer, root: int, timeout: float | None = None, tag: int = 0) -> None:
+        """The engine's broadcast of rank `root`'s `buf` into every rank's `buf`."""
+        raise NotImplementedError(f"{type(self).__name__} has no native broadcast")
+
     agrees_natively: bool = False
     """Whether the engine's own collectives agree on a collective's header in one call
     (`start_agreement`, `gather_headers`, `announce_waiting`, `waiting_ranks`); the header
@@ -291,6 +311,11 @@ class Transport(abc.ABC):
 
     duplicable: bool = False
     """Whether `dup` is available."""
+
+    routes_by_buffer: bool = False
+    """Whether host and device buffers travel different ways (NCCL: device buffers through NCCL,
+    host ones through the control transport), so that the ranks of a collective must all pass the
+    same kind; the collective's header then says which (`Communicator`)."""
 
     needs_host_staging: bool = False
     """Whether this transport moves host memory only, so that device buffers must be staged

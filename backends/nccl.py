@@ -95,6 +95,12 @@ class Engine(Protocol):
 
     def allreduce(self, src: Buffer, dst: Buffer, op: str, after: Sequence[Event]) -> Event: ...
 
+    def reduce_scatter(self, src: Buffer, dst: Buffer, op: str, after: Sequence[Event]) -> Event: ...
+
+    def allgather(self, src: Buffer, dst: Buffer, after: Sequence[Event]) -> Event: ...
+
+    def broadcast(self, buf: Buffer, root: int, after: Sequence[Event]) -> Event: ...
+
     def done(self, event: Event) -> bool:
         """Whether the operation behind `event` has completed.
 
@@ -221,6 +227,29 @@ class _CupyEngine:
             lambda stream: self._communicator.allReduce(
                 _address(src), _address(dst), src.size, nccl_type, nccl_op, stream
             ),
+        )
+
+    def reduce_scatter(self, src: Buffer, dst: Buffer, op: str, after: Sequence[Event]) -> Event:
+        nccl_type = self._types[np.dtype(src.dtype)]
+        nccl_op = getattr(self._nccl, CupyNccl._OPS[op])
+        return self._issue(
+            after,
+            lambda stream: self._communicator.reduceScatter(
+                _address(src), _address(dst), dst.size, nccl_type, nccl_op, stream
+            ),
+        )
+
+    def allgather(self, src: Buffer, dst: Buffer, after: Sequence[Event]) -> Event:
+        communicator, uint8 = self._communicator, self._nccl.NCCL_UINT8
+        return self._issue(
+            after, lambda stream: communicator.allGather(_address(src), _address(dst), src.nbytes, uint8, stream)
+        )
+
+    def broadcast(self, buf: Buffer, root: int, after: Sequence[Event]) -> Event:
+        communicator, uint8 = self._communicator, self._nccl.NCCL_UINT8
+        return self._issue(
+            after,
+            lambda stream: communicator.broadcast(_address(buf), _address(buf), buf.nbytes, uint8, root, stream),
         )
 
     def done(self, event: Event) -> bool:
@@ -460,6 +489,7 @@ class NcclTransport(Transport):
     """
 
     needs_host_staging = False
+    routes_by_buffer = True
     has_native_allreduce = True
     native_dtypes = NCCL_DTYPES
     duplicable = True
@@ -713,19 +743,54 @@ class NcclTransport(Transport):
             if not is_device(dst):
                 gpu.copy(dst, on_device[1], ())
             return
+        gpu = runtime()
+        self._run_native(
+            "ncclAllReduce", lambda world: world.allreduce(src, dst, op, (gpu.ready(src), gpu.ready(dst))), timeout
+        )
+
+    native_collectives = frozenset({"reduce_scatter", "allgather", "broadcast"})
+
+    def native_reduce_scatter(
+        self, src: Buffer, dst: Buffer, op: str, timeout: float | None = None, tag: int = 0
+    ) -> None:
+        """`ncclReduceScatter` of device buffers: `src` holds `size` equal blocks of `dst`'s size."""
+        gpu = runtime()
+        self._run_native(
+            "ncclReduceScatter",
+            lambda world: world.reduce_scatter(src, dst, op, (gpu.ready(src), gpu.ready(dst))),
+            timeout,
+        )
+
+    def native_allgather(self, src: Buffer, dst: Buffer, timeout: float | None = None, tag: int = 0) -> None:
+        """`ncclAllGather` of device buffers (as bytes: any dtype): `dst` gets `size` blocks of `src`."""
+        gpu = runtime()
+        self._run_native(
+            "ncclAllGather", lambda world: world.allgather(src, dst, (gpu.ready(src), gpu.ready(dst))), timeout
+        )
+
+    def native_broadcast(self, buf: Buffer, root: int, timeout: float | None = None, tag: int = 0) -> None:
+        """`ncclBroadcast` of a device buffer in place (as bytes: any dtype), from rank `root`."""
+        self._run_native("ncclBroadcast", lambda world: world.broadcast(buf, root, (runtime().ready(buf),)), timeout)
+
+    def _run_native(self, what: str, issue: Callable[[Engine], Event], timeout: float | None) -> None:
+        """Issue one operation on the world communicator and wait for it until the deadline, or
+        until this rank aborts or a peer is lost (then it never completes).
+
+        Raises:
+            TimeoutError: not complete within `timeout`.
+        """
         if self._failure is not None:
             raise self._failure
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         world = self._world_engine(deadline)
-        gpu = runtime()
-        event = world.allreduce(src, dst, op, (gpu.ready(src), gpu.ready(dst)))
+        event = issue(world)
         pause = _FIRST_POLL
         while not world.done(event):
             failure = self._failure or next(iter(self._peer_failures.values()), None)
             if failure is not None:
                 raise failure
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"rank {self.rank}: ncclAllReduce did not complete")
+                raise TimeoutError(f"rank {self.rank}: {what} did not complete")
             time.sleep(pause)
             pause = min(2 * pause, _LAST_POLL)
 

@@ -253,7 +253,7 @@ class Communicator:
             return _Local(copy_back(result, target, flat), src)
         header = collective_header("allreduce", src, algorithm=chosen, op=op.value)
         if chosen == NATIVE:
-            return _planned(header, functools.partial(self._native_allreduce, flat, target, result, op), src)
+            return self._planned(header, functools.partial(self._native_allreduce, flat, target, result, op), src)
         nodes, segment_bytes = self.topology.nodes, self.segment_bytes
 
         def run(group: Group) -> np.ndarray:
@@ -261,33 +261,53 @@ class Communicator:
             drive(group, steps)
             return copy_back(result, target)
 
-        return _planned(header, run, src)
+        return self._planned(header, run, src)
 
     def _native_allreduce(
         self, flat: np.ndarray, target: np.ndarray, result: np.ndarray, op: ReduceOp, group: Group
     ) -> np.ndarray:
-        """The backend's own all-reduce, within the collective's deadline, once every rank is known
-        to have called it alike: an engine given buffers of different sizes on different ranks
-        may fail in any way, or write past them."""
-        group.finish_agreement()
         native_op = "sum" if op is ReduceOp.MEAN else op.value
+        self._run_native(
+            group,
+            "all-reduce",
+            lambda remaining: self._transport.native_allreduce(
+                flat, target, native_op, timeout=remaining, tag=group.tags.start
+            ),
+        )
+        finalize(op, target, self.size)
+        return copy_back(result, target)
+
+    def _run_native(self, group: Group, what: str, call: Callable[[float], None]) -> None:
+        """Run one of the backend's own collectives (`call(seconds_left)`) within the collective's
+        deadline, once every rank is known to have called it alike: an engine given buffers of
+        different sizes on different ranks may fail in any way, or write past them."""
+        group.finish_agreement()
         try:
-            remaining = max(group.deadline - time.monotonic(), 0.0)
-            self._transport.native_allreduce(flat, target, native_op, timeout=remaining, tag=group.tags.start)
+            call(max(group.deadline - time.monotonic(), 0.0))
         except TimeoutError:
             raise CollectiveTimeoutError(
-                f"rank {self.rank}: native all-reduce did not complete within {self.timeout:g} s "
+                f"rank {self.rank}: native {what} did not complete within {self.timeout:g} s "
                 f"({group.header.decode(errors='replace')}); {group.who_is_missing(None)}",
                 rank=self.rank,
                 peer=-1,
                 tag=group.tags.start,
                 seconds=self.timeout,
             ) from None
-        finalize(op, target, self.size)
-        return copy_back(result, target)
+
+    def _runs_natively(self, collective: str, src: Any) -> bool:
+        """Whether the backend's engine runs this collective of `src` itself (NCCL, device buffers
+        of a type it knows, something to move), which beats the library's ring over its sends."""
+        transport = self._transport
+        return (
+            collective in transport.native_collectives
+            and is_device(src)
+            and src.nbytes > 0
+            and (collective != "reduce_scatter" or src.dtype in transport.native_dtypes)
+        )
 
     def reduce_scatter(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> np.ndarray:
-        """Reduce `x` over all ranks and keep this rank's block of rows (ring algorithm).
+        """Reduce `x` over all ranks and keep this rank's block of rows (ring algorithm; NCCL's own
+        for device buffers that split evenly, on the NCCL backend).
 
         The first axis is split as evenly as possible, the first `x.shape[0] % size` ranks getting
         one row more (as Horovod does).
@@ -314,6 +334,22 @@ class Communicator:
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
             return _Local(copy_back(result, target, flat[mine]), src)
+        if self._runs_natively("reduce_scatter", src) and src.shape[0] % self.size == 0:
+            native_op = "sum" if op is ReduceOp.MEAN else op.value
+
+            def run_native(group: Group) -> np.ndarray:
+                self._run_native(
+                    group,
+                    "reduce-scatter",
+                    lambda remaining: self._transport.native_reduce_scatter(
+                        flat, target, native_op, timeout=remaining, tag=group.tags.start
+                    ),
+                )
+                finalize(op, target, self.size)
+                return copy_back(result, target)
+
+            header = collective_header("reduce_scatter", src, algorithm=NATIVE, op=op.value)
+            return self._planned(header, run_native, src)
 
         def run(group: Group) -> np.ndarray:
             work_space = self._reusable_work_space(flat)
@@ -323,10 +359,11 @@ class Communicator:
             finalize(op, work_space[mine], self.size)
             return copy_back(result, target, work_space[mine])
 
-        return _planned(collective_header("reduce_scatter", src, algorithm="ring", op=op.value), run, src)
+        return self._planned(collective_header("reduce_scatter", src, algorithm="ring", op=op.value), run, src)
 
     def allgather(self, x: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """Concatenate every rank's `x` (same shape on all ranks) along the first axis, rank order.
+        """Concatenate every rank's `x` (same shape on all ranks) along the first axis, rank order
+        (ring algorithm; NCCL's own for device buffers on the NCCL backend).
 
         Returns:
             Shape (size * x.shape[0], *x.shape[1:]); a 0-d `x` gives shape (size,).
@@ -347,16 +384,30 @@ class Communicator:
         own = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
             return _Local(copy_back(result, target, flat), src)
+        if self._runs_natively("allgather", src):
+
+            def run_native(group: Group) -> np.ndarray:
+                self._run_native(
+                    group,
+                    "all-gather",
+                    lambda remaining: self._transport.native_allgather(
+                        flat, target, timeout=remaining, tag=group.tags.start
+                    ),
+                )
+                return copy_back(result, target)
+
+            return self._planned(collective_header("allgather", src, algorithm=NATIVE), run_native, src)
 
         def run(group: Group) -> np.ndarray:
             target[own] = flat
             drive(group, ring_allgather_steps(group, target, bounds, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
 
-        return _planned(collective_header("allgather", src, algorithm="ring"), run, src)
+        return self._planned(collective_header("allgather", src, algorithm="ring"), run, src)
 
     def broadcast(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> np.ndarray:
-        """Return rank `root`'s `x` on every rank (pipelined binary tree).
+        """Return rank `root`'s `x` on every rank (pipelined binary tree; NCCL's own for device
+        buffers on the NCCL backend).
 
         Every rank passes an array of the same shape and dtype; only the root's values are used.
         `out=x` broadcasts in place, like MPI_Bcast.
@@ -374,14 +425,25 @@ class Communicator:
         flat = flat_view(src)
         if self.size == 1:
             return _Local(copy_back(result, target, flat), src)
+        native = self._runs_natively("broadcast", src)
 
         def run(group: Group) -> np.ndarray:
             if group.rank == root and not may_share_memory(target, flat):
                 target[...] = flat
-            drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self.segment_bytes))
+            if native:
+                self._run_native(
+                    group,
+                    "broadcast",
+                    lambda remaining: self._transport.native_broadcast(
+                        target, root, timeout=remaining, tag=group.tags.start
+                    ),
+                )
+            else:
+                drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
 
-        return _planned(collective_header("broadcast", src, algorithm="tree", root=root), run, src)
+        header = collective_header("broadcast", src, algorithm=NATIVE if native else "tree", root=root)
+        return self._planned(header, run, src)
 
     def barrier(self) -> None:
         """Return only after every rank has called `barrier`."""
@@ -447,7 +509,7 @@ class Communicator:
             )
             return result, received
 
-        return _planned(f"alltoall algorithm=pairwise dtype={src.dtype} row_shape={row_shape}".encode(), run, src)
+        return self._planned(f"alltoall algorithm=pairwise dtype={src.dtype} row_shape={row_shape}".encode(), run, src)
 
     def _call(self, plan: _Plan) -> Any:
         """Run a planned collective now and return its result (the blocking form)."""
@@ -580,6 +642,33 @@ class Communicator:
             return algorithm
         return self._selector.choose(nbytes, native_fits=dtype in self._transport.native_dtypes)
 
+    def _planned(self, header: bytes, run: Callable[[Group], Any], src: Any) -> _Plan:
+        """The plan of a collective of `src`; for a device array, `run` ordered on the GPU.
+
+        The collective may run on the communication thread, whose current stream is not the
+        caller's: it first waits for an event recorded now on the caller's stream (the kernels that
+        produced `src`, or still read `out`), and synchronizes its own stream before returning, so
+        that the `Work` completes only when the result is on the device.
+
+        Where the transport routes host and device buffers different ways (NCCL), the header says
+        which this rank passed: a rank passing the other kind fails the agreement with a
+        `MismatchError` instead of waiting on a route its peers do not use.
+        """
+        if self._transport.routes_by_buffer:
+            header += b" buffer=device" if is_device(src) else b" buffer=host"
+        if not is_device(src):
+            return header, run
+        gpu = runtime()
+        ready = gpu.ready(src)
+
+        def run_on_device(group: Group) -> Any:
+            gpu.wait(ready, src)
+            result = run(group)
+            gpu.synchronize(src)
+            return result
+
+        return header, run_on_device
+
     def _reusable_work_space(self, like: Any) -> Any:
         """Uninitialised scratch of `like`'s size and dtype, kept for the next collective.
 
@@ -615,28 +704,6 @@ class _Local:
 _Plan = tuple[bytes, Callable[[Group], Any]] | _Local
 """A collective ready to run: the header its messages carry and the function that runs it on its
 group; or, with nothing to exchange, its result."""
-
-
-def _planned(header: bytes, run: Callable[[Group], Any], src: Any) -> _Plan:
-    """The plan of a collective of `src`; for a device array, `run` ordered on the GPU.
-
-    The collective may run on the communication thread, whose current stream is not the
-    caller's: it first waits for an event recorded now on the caller's stream (the kernels that
-    produced `src`, or still read `out`), and synchronizes its own stream before returning, so
-    that the `Work` completes only when the result is on the device.
-    """
-    if not is_device(src):
-        return header, run
-    gpu = runtime()
-    ready = gpu.ready(src)
-
-    def run_on_device(group: Group) -> Any:
-        gpu.wait(ready, src)
-        result = run(group)
-        gpu.synchronize(src)
-        return result
-
-    return header, run_on_device
 
 
 def _run_barrier(group: Group) -> None:

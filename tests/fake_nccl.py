@@ -2,8 +2,8 @@
 
 It keeps what the transport relies on: a communicator exists once all its ranks have joined
 (`connect` blocks until then); between two ranks of one communicator, sends and receives pair in
-the order they are issued, with no tags, and neither completes before its partner is posted; an
-all-reduce completes when every rank has called it, the same reduction on every rank; `abort`
+the order they are issued, with no tags, and neither completes before its partner is posted; a
+collective completes when every rank has called it, the same result on every rank; `abort`
 makes every later query of the communicator raise, as `check_async_error` does. Buffers are the
 fake device arrays of `fake_gpu` (the fake runtime must be installed too).
 """
@@ -39,7 +39,7 @@ class _FakeWorld:
         self.lock = threading.Lock()
         self.sends: dict[tuple[int, int], deque[tuple[Any, FakeNcclEvent]]] = {}
         self.receives: dict[tuple[int, int], deque[tuple[Any, FakeNcclEvent]]] = {}
-        self.rounds: dict[int, dict[int, tuple[Any, Any, str, FakeNcclEvent]]] = {}
+        self.rounds: dict[int, dict[int, tuple[Any, Any, FakeNcclEvent]]] = {}
 
 
 class FakeEngine:
@@ -50,6 +50,8 @@ class FakeEngine:
         self.rank = rank
         self.aborted = False
         self.destroyed = False
+        self.collectives: list[str] = []
+        """The names of the collectives this rank called, in order."""
         self._calls = 0
 
     def send(self, buf: Any, peer: int, after: Sequence[Any]) -> FakeNcclEvent:
@@ -74,18 +76,42 @@ class FakeEngine:
         return event
 
     def allreduce(self, src: Any, dst: Any, op: str, after: Sequence[Any]) -> FakeNcclEvent:
+        def finish(inputs: list[np.ndarray], rank: int) -> np.ndarray:
+            return functools.reduce(_UFUNCS[op], inputs)
+
+        return self._collective("allreduce", src, dst, finish)
+
+    def reduce_scatter(self, src: Any, dst: Any, op: str, after: Sequence[Any]) -> FakeNcclEvent:
+        def finish(inputs: list[np.ndarray], rank: int) -> np.ndarray:
+            block = dst.size
+            return functools.reduce(_UFUNCS[op], inputs)[rank * block : (rank + 1) * block]
+
+        return self._collective("reduce_scatter", src, dst, finish)
+
+    def allgather(self, src: Any, dst: Any, after: Sequence[Any]) -> FakeNcclEvent:
+        def finish(inputs: list[np.ndarray], rank: int) -> np.ndarray:
+            return np.concatenate([x.view(np.uint8) for x in inputs])
+
+        return self._collective("allgather", src, dst, finish)
+
+    def broadcast(self, buf: Any, root: int, after: Sequence[Any]) -> FakeNcclEvent:
+        return self._collective("broadcast", buf, buf, lambda inputs, rank: inputs[root])
+
+    def _collective(self, name: str, src: Any, dst: Any, finish: Any) -> FakeNcclEvent:
+        """One round of a collective: completes on every rank once all have called it, each rank's
+        `dst` given `finish(every rank's src, in rank order, rank)` (as bytes)."""
+        self.collectives.append(name)
         event = FakeNcclEvent()
         with self.world.lock:
             round_ = self.world.rounds.setdefault(self._calls, {})
-            round_[self.rank] = (src, dst, op, event)
+            round_[self.rank] = (src, dst, event)
             self._calls += 1
             if len(round_) < self.world.size:
                 return event
             del self.world.rounds[self._calls - 1]
         inputs = [np.asarray(round_[rank][0]).copy() for rank in range(self.world.size)]
-        result = functools.reduce(_UFUNCS[op], inputs)
-        for _, target, _, done in round_.values():
-            np.copyto(np.asarray(target), result)
+        for rank, (_, target, done) in round_.items():
+            np.copyto(np.asarray(target).view(np.uint8), np.asarray(finish(inputs, rank)).view(np.uint8))
             done.completed.set()
         return event
 

@@ -271,8 +271,9 @@ def _nccl_reason() -> str | None:
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64", "uint8"])
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
-def test_nccl_world_of_one_runs_the_native_allreduce(cupy: Any, dtype: str, op: str) -> None:
-    """Real NCCL, one rank: ncclAllReduce of every type and op, input and output apart and in place."""
+def test_nccl_world_of_one_runs_the_native_collectives(cupy: Any, dtype: str, op: str) -> None:
+    """Real NCCL, one rank: ncclAllReduce of every type and op, input and output apart, in place and
+    staged from host memory; ncclReduceScatter, ncclAllGather and ncclBroadcast."""
     from collectives.backends.nccl import NcclTransport
 
     transport = NcclTransport(ThreadFabric(["a"]).endpoint(0), device_id=0)
@@ -287,6 +288,13 @@ def test_nccl_world_of_one_runs_the_native_allreduce(cupy: Any, dtype: str, op: 
         host_out = np.empty_like(values)
         transport.native_allreduce(values, host_out, op, timeout=60.0)  # staged through the device
         np.testing.assert_array_equal(host_out, values)
+        transport.native_reduce_scatter(x, out, op, timeout=60.0)
+        np.testing.assert_array_equal(cupy.asnumpy(out), values)
+        out[...] = 0
+        transport.native_allgather(x, out, timeout=60.0)
+        np.testing.assert_array_equal(cupy.asnumpy(out), values)
+        transport.native_broadcast(x, 0, timeout=60.0)
+        np.testing.assert_array_equal(cupy.asnumpy(x), values)
     finally:
         transport.close()
 

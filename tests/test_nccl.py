@@ -390,3 +390,42 @@ def test_host_buffers_reach_the_native_allreduce_through_the_device(fake_nccl: F
     for result in run_nccl(body, 2, fake_nccl):
         assert type(result) is np.ndarray
         np.testing.assert_array_equal(result, np.full(4, 3.0))
+
+
+@pytest.mark.usefixtures("gpu")
+def test_ranks_passing_host_and_device_buffers_fail_with_a_mismatch(fake_nccl: FakeNccl) -> None:
+    """Over NCCL host and device buffers take different routes: a rank passing the other kind is
+    told so at once, instead of waiting for its peers on a route they do not use."""
+
+    def body(comm: Communicator) -> None:
+        x = np.ones(4) if comm.rank == 0 else on_device(np.ones(4))
+        comm.allreduce(x, algorithm="ring")
+
+    started = time.monotonic()
+    with pytest.raises(MismatchError, match="buffer=host.*buffer=device|buffer=device.*buffer=host"):
+        run_nccl(body, 2, fake_nccl)
+    assert time.monotonic() - started < WAIT / 2
+
+
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize("size", [2, 3])
+def test_device_reduce_scatter_allgather_and_broadcast_are_nccls_own(fake_nccl: FakeNccl, size: int) -> None:
+    """Device buffers take ncclReduceScatter (rows that split evenly), ncclAllGather and
+    ncclBroadcast, with the library's results; uneven rows keep the ring."""
+
+    def calls(comm: Communicator, place: Callable[[np.ndarray], Any]) -> list[Any]:
+        rows = np.arange(6 * comm.size * 2, dtype=np.float32).reshape(6 * comm.size, 2) * (comm.rank + 1)
+        return [
+            comm.reduce_scatter(place(rows), op="mean"),
+            comm.reduce_scatter(place(rows[1:]), op="max"),  # uneven: the ring
+            comm.allgather(place(np.full((2, 3), comm.rank, np.float16))),
+            comm.broadcast(place(np.arange(5, dtype=np.int64) * (comm.rank + 1)), root=comm.size - 1),
+        ]
+
+    host = collectives.run_threads(lambda comm: calls(comm, np.asarray), size)
+    for rank, results in enumerate(run_nccl(lambda comm: calls(comm, on_device), size, fake_nccl)):
+        for expected, result in zip(host[rank], results):
+            assert isinstance(result, FakeDeviceArray)
+            np.testing.assert_array_equal(result, expected)
+    used = [engine.collectives for engine in fake_nccl.engines if engine.collectives]
+    assert used == [["reduce_scatter", "allgather", "broadcast"]] * size
