@@ -220,24 +220,17 @@ class _CupyEngine:
         )
 
     def allreduce(self, src: Buffer, dst: Buffer, op: str, after: Sequence[Event]) -> Event:
-        nccl_type = self._types[np.dtype(src.dtype)]
-        nccl_op = getattr(self._nccl, CupyNccl._OPS[op])
-        return self._issue(
-            after,
-            lambda stream: self._communicator.allReduce(
-                _address(src), _address(dst), src.size, nccl_type, nccl_op, stream
-            ),
-        )
+        return self._reduction("allReduce", src, dst, src.size, op, after)
 
     def reduce_scatter(self, src: Buffer, dst: Buffer, op: str, after: Sequence[Event]) -> Event:
+        return self._reduction("reduceScatter", src, dst, dst.size, op, after)
+
+    def _reduction(self, method: str, src: Buffer, dst: Buffer, count: int, op: str, after: Sequence[Event]) -> Event:
+        """`allReduce` or `reduceScatter` (`count`: items per rank's output) in `src`'s type."""
+        call = getattr(self._communicator, method)
         nccl_type = self._types[np.dtype(src.dtype)]
         nccl_op = getattr(self._nccl, CupyNccl._OPS[op])
-        return self._issue(
-            after,
-            lambda stream: self._communicator.reduceScatter(
-                _address(src), _address(dst), dst.size, nccl_type, nccl_op, stream
-            ),
-        )
+        return self._issue(after, lambda stream: call(_address(src), _address(dst), count, nccl_type, nccl_op, stream))
 
     def allgather(self, src: Buffer, dst: Buffer, after: Sequence[Event]) -> Event:
         communicator, uint8 = self._communicator, self._nccl.NCCL_UINT8
