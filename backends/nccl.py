@@ -621,8 +621,12 @@ class NcclTransport(Transport):
                     continue
                 try:
                     self._deliver(peer, *decode_envelope(buffers[peer]))
-                except CollectiveError as error:
+                except Exception as error:  # noqa: BLE001 - the pair is out of step: its operations fail, the others go on
                     del posted[peer]
+                    if not isinstance(error, CollectiveError):
+                        error = CollectiveError(
+                            f"rank {self.rank}: receiving rank {peer}'s device message through NCCL failed: {error!r}"
+                        )
                     self._peer_failed(peer, error)
                     continue
                 posted[peer] = self._channel.irecv(buffers[peer], peer, _ENVELOPE_TAG, _ENVELOPE_HEADER)

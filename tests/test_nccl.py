@@ -429,3 +429,27 @@ def test_device_reduce_scatter_allgather_and_broadcast_are_nccls_own(fake_nccl: 
             np.testing.assert_array_equal(result, expected)
     used = [engine.collectives for engine in fake_nccl.engines if engine.collectives]
     assert used == [["reduce_scatter", "allgather", "broadcast"]] * size
+
+
+@pytest.mark.usefixtures("gpu")
+def test_a_failure_on_the_receiving_side_fails_that_peers_receives_with_its_cause(
+    fake_nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An NCCL or CUDA error while taking a message (out of memory for scratch, say) fails the
+    receives from that peer, naming it, instead of silently stopping the progress thread."""
+    endpoints = transports(2, fake_nccl)
+    try:
+
+        def no_memory(nbytes: int, device_id: int) -> Any:
+            raise MemoryError("out of memory allocating 8 bytes")
+
+        endpoints[0].isend(on_device(np.ones(1)), 1, 1, H).wait(WAIT)  # arrives first: needs scratch
+        monkeypatch.setattr(fake_nccl, "scratch", no_memory)
+        endpoints[0].isend(on_device(np.ones(1)), 1, 2, H)  # no receive posted: scratch is needed
+        deadline = time.monotonic() + WAIT
+        while endpoints[1].failure_for(0) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(CollectiveError, match="rank 1: receiving rank 0's device message .*out of memory"):
+            endpoints[1].irecv(on_device(np.zeros(1)), 0, 2, H).wait(WAIT)
+    finally:
+        close_all(endpoints)
