@@ -345,7 +345,7 @@ class _Arrived:
 
     __slots__ = ("header", "nbytes", "scratch", "event", "engine")
 
-    def __init__(self, header: bytes, nbytes: int, scratch: Buffer, event: Event, engine: Engine | None) -> None:
+    def __init__(self, header: bytes, nbytes: int, scratch: Buffer, event: Event, engine: Engine) -> None:
         self.header = header
         self.nbytes = nbytes
         self.scratch = scratch
@@ -378,7 +378,9 @@ class NcclRequest(PostedRequest):
         event None for an empty message); one attribute, set at once by the progress thread."""
         self.arrived: _Arrived | None = None
         self.envelope: Request | None = None
+        """A send's envelope on the channel: the send is done once it has gone too."""
         self._envelope_bytes: np.ndarray | None = None
+        """The envelope itself, kept alive until it has gone."""
         self._transport = transport
         self._settled = False
         self._error: BaseException | None = None
@@ -424,7 +426,7 @@ class NcclRequest(PostedRequest):
             self.envelope.wait(0.0)  # raises the channel's error, if the envelope failed
         arrived = self.arrived
         if arrived is not None:
-            if arrived.event is not None and arrived.engine is not None and not arrived.engine.done(arrived.event):
+            if arrived.event is not None and not arrived.engine.done(arrived.event):
                 return False
             if self.nbytes:
                 runtime().copy(self.buf, arrived.scratch.view(self.buf.dtype), (self.ready,))
@@ -533,6 +535,7 @@ class NcclTransport(Transport):
         if not is_device(buf):
             return self.control.isend(buf, dst, tag, header)
         check_buffer(buf)
+        self._check_peer(dst)
         request = NcclRequest(self, "send", dst, tag, buf, header)
         self._posted.add(request)
         failure = self.failure_for(dst)
@@ -565,6 +568,7 @@ class NcclTransport(Transport):
         if not is_device(buf):
             return self.control.irecv(buf, src, tag, header)
         check_buffer(buf)
+        self._check_peer(src)
         request = NcclRequest(self, "recv", src, tag, buf, header)
         self._posted.add(request)
         with self._lock:
@@ -582,9 +586,13 @@ class NcclTransport(Transport):
                 request.arrived = arrived
         return request
 
+    def _check_peer(self, peer: int) -> None:
+        if peer not in self._send_edges:
+            raise ValueError(f"rank {self.rank}: peer {peer} is not another rank of this world of {self.size}")
+
     def wait_any(self, requests: Sequence[Request], timeout: float) -> None:
-        host = [request for request in requests if not isinstance(request, NcclRequest)]
-        if len(host) == len(requests):
+        """The control transport's for host requests only; else polling every request."""
+        if not any(isinstance(request, NcclRequest) for request in requests):
             self.control.wait_any(requests, timeout)
             return
         deadline = time.monotonic() + timeout

@@ -218,6 +218,18 @@ def test_a_mismatch_fails_the_receive_and_the_pair_stays_in_step(fake_nccl: Fake
 
 
 @pytest.mark.usefixtures("gpu")
+def test_bad_peers_are_value_errors(fake_nccl: FakeNccl) -> None:
+    endpoints = transports(2, fake_nccl)
+    try:
+        with pytest.raises(ValueError, match="peer 2 is not another rank"):
+            endpoints[0].isend(on_device(np.ones(1)), 2, 0, H)
+        with pytest.raises(ValueError, match="peer 0 is not another rank"):
+            endpoints[0].irecv(on_device(np.ones(1)), 0, 0, H)
+    finally:
+        close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
 def test_a_receive_times_out_and_stays_pending(fake_nccl: FakeNccl) -> None:
     endpoints = transports(2, fake_nccl)
     try:
