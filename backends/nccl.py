@@ -135,6 +135,10 @@ class Library(Protocol):
         """An uninitialised uint8 device array of `nbytes` on `device_id`."""
         ...
 
+    def use_device(self, device_id: int) -> None:
+        """Make `device_id` the calling thread's current GPU."""
+        ...
+
     def device_count(self) -> int: ...
 
 
@@ -180,6 +184,9 @@ class CupyNccl:
     def scratch(self, nbytes: int, device_id: int) -> Buffer:
         with self._cupy.cuda.Device(device_id):
             return self._cupy.empty(nbytes, dtype=self._cupy.uint8)
+
+    def use_device(self, device_id: int) -> None:
+        self._cupy.cuda.Device(device_id).use()
 
     def device_count(self) -> int:
         return int(self._cupy.cuda.runtime.getDeviceCount())
@@ -471,7 +478,9 @@ class _SendEdge:
 class NcclTransport(Transport):
     """Device buffers through NCCL, host buffers and control through `control`.
 
-    Collective: every rank constructs it at the same point (it duplicates `control`).
+    Collective: every rank constructs it at the same point (it duplicates `control`). Makes its
+    GPU the constructing thread's current device, so that the arrays the script then makes are
+    where NCCL expects them.
 
     Args:
         control: the host transport (MPI, gRPC or threads) this one bootstraps over.
@@ -499,6 +508,7 @@ class NcclTransport(Transport):
         self.host = control.host
         self.agrees_natively = control.agrees_natively
         self.device_id = default_device(os.environ, self._nccl.device_count()) if device_id is None else device_id
+        self._nccl.use_device(self.device_id)
         self.timeout = timeout
         self._channel = control.dup(_CHANNEL_KEY)
         self._lock = threading.Lock()
@@ -534,8 +544,7 @@ class NcclTransport(Transport):
     def isend(self, buf: Buffer, dst: int, tag: int, header: bytes) -> Request:
         if not is_device(buf):
             return self.control.isend(buf, dst, tag, header)
-        check_buffer(buf)
-        self._check_peer(dst)
+        self._check(buf, dst)
         request = NcclRequest(self, "send", dst, tag, buf, header)
         self._posted.add(request)
         failure = self.failure_for(dst)
@@ -567,8 +576,7 @@ class NcclTransport(Transport):
     def irecv(self, buf: Buffer, src: int, tag: int, header: bytes) -> Request:
         if not is_device(buf):
             return self.control.irecv(buf, src, tag, header)
-        check_buffer(buf)
-        self._check_peer(src)
+        self._check(buf, src)
         request = NcclRequest(self, "recv", src, tag, buf, header)
         self._posted.add(request)
         with self._lock:
@@ -586,9 +594,19 @@ class NcclTransport(Transport):
                 request.arrived = arrived
         return request
 
-    def _check_peer(self, peer: int) -> None:
+    def _check(self, buf: Buffer, peer: int) -> None:
+        check_buffer(buf)
         if peer not in self._send_edges:
             raise ValueError(f"rank {self.rank}: peer {peer} is not another rank of this world of {self.size}")
+        self._check_device(buf)
+
+    def _check_device(self, *buffers: Buffer) -> None:
+        for buf in buffers:
+            if buf.device.id != self.device_id:
+                raise ValueError(
+                    f"rank {self.rank}: a buffer on GPU {buf.device.id}, but this rank's NCCL runs on GPU "
+                    f"{self.device_id} (COLLECTIVES_DEVICE, else the local rank)"
+                )
 
     def wait_any(self, requests: Sequence[Request], timeout: float) -> None:
         """The control transport's for host requests only; else polling every request."""
@@ -748,6 +766,7 @@ class NcclTransport(Transport):
             if not is_device(dst):
                 gpu.copy(dst, on_device[1], ())
             return
+        self._check_device(src, dst)
         gpu = runtime()
         self._run_native(
             "ncclAllReduce", lambda world: world.allreduce(src, dst, op, (gpu.ready(src), gpu.ready(dst))), timeout
@@ -759,6 +778,7 @@ class NcclTransport(Transport):
         self, src: Buffer, dst: Buffer, op: str, timeout: float | None = None, tag: int = 0
     ) -> None:
         """`ncclReduceScatter` of device buffers: `src` holds `size` equal blocks of `dst`'s size."""
+        self._check_device(src, dst)
         gpu = runtime()
         self._run_native(
             "ncclReduceScatter",
@@ -768,6 +788,7 @@ class NcclTransport(Transport):
 
     def native_allgather(self, src: Buffer, dst: Buffer, timeout: float | None = None, tag: int = 0) -> None:
         """`ncclAllGather` of device buffers (as bytes: any dtype): `dst` gets `size` blocks of `src`."""
+        self._check_device(src, dst)
         gpu = runtime()
         self._run_native(
             "ncclAllGather", lambda world: world.allgather(src, dst, (gpu.ready(src), gpu.ready(dst))), timeout
@@ -775,6 +796,7 @@ class NcclTransport(Transport):
 
     def native_broadcast(self, buf: Buffer, root: int, timeout: float | None = None, tag: int = 0) -> None:
         """`ncclBroadcast` of a device buffer in place (as bytes: any dtype), from rank `root`."""
+        self._check_device(buf)
         self._run_native("ncclBroadcast", lambda world: world.broadcast(buf, root, (runtime().ready(buf),)), timeout)
 
     def _run_native(self, what: str, issue: Callable[[Engine], Event], timeout: float | None) -> None:

@@ -137,6 +137,7 @@ class FakeNccl:
     def __init__(self) -> None:
         self.engines: list[FakeEngine] = []
         self.hang_connects = False
+        self.current_device: int | None = None
         self._worlds: dict[bytes, _FakeWorld] = {}
         self._joined = threading.Condition()
         self._released = threading.Event()
@@ -165,5 +166,8 @@ class FakeNccl:
     def scratch(self, nbytes: int, device_id: int) -> Any:
         return on_device(np.empty(nbytes, dtype=np.uint8))
 
+    def use_device(self, device_id: int) -> None:
+        self.current_device = device_id
+
     def device_count(self) -> int:
-        return 1
+        return 2

@@ -186,3 +186,17 @@ def test_run_ranks_stops_every_rank_at_the_timeout(capsys: pytest.CaptureFixture
     pids = [int(line.split()[-1]) for line in captured.out.splitlines() if " pid " in line]
     assert len(pids) == 2
     assert not [pid for pid in pids if alive(pid)], "a rank outlived its timeout"
+
+
+def test_nccl_ranks_get_the_grpc_environment_naming_nccl_and_their_local_rank() -> None:
+    """`--backend nccl` starts gRPC ranks (their control transport) told to use NCCL, each with
+    LOCAL_RANK, which picks its GPU."""
+    from collectives.launch import build_parser, grpc_rank_environments
+
+    assert build_parser().parse_args(["-n", "2", "--backend", "nccl", "x.py"]).backend == "nccl"
+    environments = grpc_rank_environments(["127.0.0.1:1", "127.0.0.1:2"], base={}, backend="nccl")
+    assert [(env["COLLECTIVES_BACKEND"], env["LOCAL_RANK"], env["COLLECTIVES_RANK"]) for env in environments] == [
+        ("nccl", "0", "0"),
+        ("nccl", "1", "1"),
+    ]
+    assert environments[0]["COLLECTIVES_SECRET"] == environments[1]["COLLECTIVES_SECRET"]

@@ -218,13 +218,16 @@ def test_a_mismatch_fails_the_receive_and_the_pair_stays_in_step(fake_nccl: Fake
 
 
 @pytest.mark.usefixtures("gpu")
-def test_bad_peers_are_value_errors(fake_nccl: FakeNccl) -> None:
+def test_bad_peers_and_buffers_on_another_gpu_are_value_errors(fake_nccl: FakeNccl) -> None:
     endpoints = transports(2, fake_nccl)
     try:
         with pytest.raises(ValueError, match="peer 2 is not another rank"):
             endpoints[0].isend(on_device(np.ones(1)), 2, 0, H)
         with pytest.raises(ValueError, match="peer 0 is not another rank"):
             endpoints[0].irecv(on_device(np.ones(1)), 0, 0, H)
+        with pytest.raises(ValueError, match="a buffer on GPU 1, but this rank's NCCL runs on GPU 0"):
+            endpoints[0].isend(on_device(np.ones(1), device_id=1), 1, 0, H)
+        assert fake_nccl.current_device == 0  # made current when the transport was
     finally:
         close_all(endpoints)
 
