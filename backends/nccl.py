@@ -72,6 +72,12 @@ _CHANNEL_KEY = -1
 """The key of the control transport's duplicate that carries envelopes (the communicator's own
 duplicates take positive keys)."""
 
+_SHARED_GPU_HINT = (
+    "; if two ranks use one GPU (COLLECTIVES_DEVICE, LOCAL_RANK), NCCL refuses that before 2.30.3, "
+    "and from 2.30.3 allows it with NCCL_MULTI_RANK_GPU_ENABLE=1"
+)
+"""What NCCL's "invalid usage" at communicator creation most often means with this library."""
+
 _FIRST_POLL, _LAST_POLL = 20e-6, 1e-3
 _TEARDOWN_SECONDS = 5.0
 """How long closing or aborting waits for NCCL to let go of its communicators."""
@@ -722,7 +728,9 @@ class NcclTransport(Transport):
                 seconds=self.timeout,
             )
         if isinstance(outcome[0], Exception):
-            raise CollectiveError(f"rank {self.rank}: creating {what} on GPU {self.device_id} failed: {outcome[0]}")
+            cause = str(outcome[0])
+            hint = _SHARED_GPU_HINT if "INVALID_USAGE" in cause else ""
+            raise CollectiveError(f"rank {self.rank}: creating {what} on GPU {self.device_id} failed: {cause}{hint}")
         engine: Engine = outcome[0]
         return engine
 

@@ -130,13 +130,15 @@ class FakeEngine:
 
 
 class FakeNccl:
-    """`Library` over `FakeEngine`s; `hang_connects` makes communicator creation never finish."""
+    """`Library` over `FakeEngine`s; `hang_connects` makes communicator creation never finish,
+    `refuse_connects` fail as NCCL before 2.30 does for two ranks on one GPU."""
 
     version = "0.0.0-fake"
 
     def __init__(self) -> None:
         self.engines: list[FakeEngine] = []
         self.hang_connects = False
+        self.refuse_connects = False
         self.current_device: int | None = None
         self._worlds: dict[bytes, _FakeWorld] = {}
         self._joined = threading.Condition()
@@ -149,6 +151,8 @@ class FakeNccl:
         if self.hang_connects:
             self._released.wait(60.0)
             raise RuntimeError("fake ncclCommInitRank: released")
+        if self.refuse_connects:
+            raise RuntimeError("NCCL_ERROR_INVALID_USAGE: invalid usage (run with NCCL_DEBUG=WARN for details)")
         with self._joined:
             world = self._worlds.setdefault(uid, _FakeWorld(size))
             world.joined += 1

@@ -468,3 +468,14 @@ def test_a_failure_on_the_receiving_side_fails_that_peers_receives_with_its_caus
             endpoints[1].irecv(on_device(np.zeros(1)), 0, 2, H).wait(WAIT)
     finally:
         close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
+def test_nccls_invalid_usage_at_creation_says_what_it_most_likely_means(fake_nccl: FakeNccl) -> None:
+    endpoints = transports(2, fake_nccl)
+    fake_nccl.refuse_connects = True
+    try:
+        with pytest.raises(CollectiveError, match="INVALID_USAGE.*two ranks use one GPU.*NCCL_MULTI_RANK_GPU_ENABLE=1"):
+            endpoints[0].isend(on_device(np.ones(1)), 1, 1, H).wait(WAIT)
+    finally:
+        close_all(endpoints)
