@@ -264,8 +264,8 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     if collective == "allreduce":
         default = (*default_allreduce(), NATIVE) if args.backend in _NATIVE_BACKENDS else default_allreduce()
         known = {"auto", NATIVE, *allreduce_algorithms()}
-    else:
-        default = (FIXED_ALGORITHM[collective],)
+    else:  # over NCCL, device buffers take NCCL's own (a reduce-scatter of uneven rows the ring)
+        default = (NATIVE if args.backend == "nccl" else FIXED_ALGORITHM[collective],)
         known = set(default)
     check_device(args)
     if args.device == "cpu" and raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):

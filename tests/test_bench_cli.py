@@ -342,3 +342,14 @@ def test_mpi_sweeps_time_mpi_itself_beside_the_library() -> None:
         assert "raw" not in spec.algorithms, options
     with pytest.raises(cli.UsageError, match="raw"):
         _spec("-a", "raw")
+
+
+def test_nccl_sweeps_measure_device_buffers_with_nccls_own_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--backend nccl` always measures CuPy buffers; all-reduce adds native, and the other
+    collectives are NCCL's own (labelled native). No GPU is needed to plan the sweep."""
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
+    spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "nccl"]), 2)
+    assert spec.device == "cuda" and spec.algorithms[-1] == "native" and "raw" not in spec.algorithms
+    for collective in ("reduce_scatter", "allgather", "broadcast"):
+        spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "nccl", "-c", collective]), 2)
+        assert spec.algorithms == ("native",), collective
