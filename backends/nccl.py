@@ -20,9 +20,15 @@ algorithms post receives on several tags in any order, so the sender decides the
   that a later receive copies from. So every send finds its receive, whatever order the
   algorithms post in.
 
-The engine's own collectives: `native_allreduce` is `ncclAllReduce` on a world communicator made
-on first use (rank 0's unique id sent over the channel), issued only after the header agreement
-(`Communicator` calls it so), ordered after the caller's stream by events.
+The engine's own collectives: `native_allreduce` is `ncclAllReduce` (host buffers staged through
+the device), and `native_reduce_scatter`, `native_allgather`, `native_broadcast` are NCCL's, which
+`Communicator` uses for device buffers. They run on a world communicator made on first use (rank
+0's unique id sent over the channel), only after the header agreement (`Communicator` calls them
+so), ordered after the caller's stream by events.
+
+Host and device buffers take different routes, so every rank of a collective must pass the same
+kind (`routes_by_buffer`: the header says which, and a mix is a `MismatchError`). Scratch for host
+data (`empty`) is host memory; probes and tuning time device buffers (`measurement_buffer`).
 
 Waiting and failure. A request completes when the CUDA event recorded after its NCCL call has
 (polled, with `check_async_error`), or fails when: the deadline passes (`TimeoutError`, which the
