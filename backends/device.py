@@ -10,7 +10,9 @@ input to the result. What that needs from CUDA is small, and all of it is here:
   on the GPU before the call returns (`copy`, `call_after`): a request that completes is done,
   never merely enqueued;
 * pinned host memory for staging device data through host transports (`pinned`);
-* allocation on a buffer's own device (`empty`) and the array module (`module`).
+* allocation on a buffer's own device (`empty`) and the array module (`module`);
+* which GPU a launched rank uses (`default_device`: COLLECTIVES_DEVICE, else its local rank), and
+  making it current (`use_local_device`).
 
 CuPy is imported on first use, so `import collectives` needs only numpy, and a device array
 while CuPy is missing is a `BackendUnavailableError` naming the `gpu` extra.
@@ -22,8 +24,9 @@ tests install a fake runtime whose "device arrays" are numpy arrays that carry
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -66,6 +69,44 @@ def gpu_unavailable_reason() -> str | None:
     if not available:
         return "CuPy finds no CUDA GPU (cupy.cuda.is_available() is False); the GPU path needs an NVIDIA GPU and driver"
     return None
+
+
+ENV_DEVICE = "COLLECTIVES_DEVICE"
+"""The GPU this rank uses (a CUDA device number); default: the local rank (modulo the GPUs seen)."""
+
+_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+"""Where launchers say which of a node's ranks this process is (ours, Open MPI, MPICH, Slurm)."""
+
+
+def default_device(environ: Mapping[str, str], device_count: int) -> int:
+    """COLLECTIVES_DEVICE if set, else the local rank the launcher gave (modulo the GPUs), else 0.
+
+    Raises:
+        ValueError: COLLECTIVES_DEVICE is not a device number below `device_count`.
+    """
+    explicit = environ.get(ENV_DEVICE)
+    if explicit:
+        if not explicit.isdigit() or int(explicit) >= device_count:
+            raise ValueError(f"{ENV_DEVICE}={explicit!r} is not a GPU of this machine (it has {device_count})")
+        return int(explicit)
+    for name in _LOCAL_RANK_VARIABLES:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value) % max(device_count, 1)
+    return 0
+
+
+def use_local_device(environ: Mapping[str, str] = os.environ) -> int:
+    """Make this rank's GPU (`default_device`) the calling thread's current CuPy device, as a
+    launched rank's script should before it makes device arrays; returns its number.
+
+    Raises:
+        BackendUnavailableError: CuPy is not installed.
+    """
+    cuda = cupy_module().cuda
+    device = default_device(environ, int(cuda.runtime.getDeviceCount()))
+    cuda.Device(device).use()
+    return device
 
 
 class Runtime(Protocol):

@@ -50,21 +50,15 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from .base import Buffer, PostedRequest, Request, Transport, check_buffer
-from .device import Event, cupy_module, gpu_unavailable_reason, is_device, runtime
+from .device import Event, cupy_module, default_device, gpu_unavailable_reason, is_device, runtime
 from .errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, PeerLostError
 from .matching import Matcher, check
-
-ENV_DEVICE = "COLLECTIVES_DEVICE"
-"""The GPU this rank uses (a CUDA device number); default: the local rank (modulo the GPUs seen)."""
-
-_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
-"""Where launchers say which of a node's ranks this process is (ours, Open MPI, MPICH, Slurm)."""
 
 MAX_HEADER_BYTES = 512
 UID_BYTES = 128
@@ -312,24 +306,6 @@ def use_library(replacement: Library | None) -> Library | None:
     with _library_lock:
         previous, _library = _library, replacement
     return previous
-
-
-def default_device(environ: Mapping[str, str], device_count: int) -> int:
-    """COLLECTIVES_DEVICE if set, else the local rank the launcher gave (modulo the GPUs), else 0.
-
-    Raises:
-        ValueError: COLLECTIVES_DEVICE is not a device number below `device_count`.
-    """
-    explicit = environ.get(ENV_DEVICE)
-    if explicit:
-        if not explicit.isdigit() or int(explicit) >= device_count:
-            raise ValueError(f"{ENV_DEVICE}={explicit!r} is not a GPU of this machine (it has {device_count})")
-        return int(explicit)
-    for name in _LOCAL_RANK_VARIABLES:
-        value = environ.get(name, "")
-        if value.isdigit():
-            return int(value) % max(device_count, 1)
-    return 0
 
 
 # -- envelopes -------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     tune = tunes(args, spec)
     sweep = rank_sweep(spec, tune=tune, probe=args.probe, progress=args.progress)
     if args.worker_output:
-        return as_launched_rank(sweep, args.worker_output)
+        return as_launched_rank(sweep, args.worker_output, spec.device)
     what = f"{spec.collective} {spec.dtype}" + (
         f" {spec.op}" if spec.collective in ("allreduce", "reduce_scatter") else ""
     )

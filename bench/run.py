@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 from collectives import Communicator, run_threads
+from collectives.backends.device import use_local_device
 
 from .measure import SweepResult, SweepSpec, measure, progress_steps
 from .output import describe_link_costs, result_from_dict, to_dict
@@ -61,11 +62,14 @@ def on_threads(
     return run_threads(sweep, ranks, ranks_per_node=ranks_per_node)[0]
 
 
-def as_launched_rank(sweep: Callable[[Communicator], SweepResult], output_path: str) -> int:
-    """Inside a launched job: measure on this rank; rank 0 writes the result for the parent."""
+def as_launched_rank(sweep: Callable[[Communicator], SweepResult], output_path: str, device: str) -> int:
+    """Inside a launched job: measure on this rank (on the GPU of its local rank, for device
+    buffers); rank 0 writes the result for the parent."""
     import collectives
 
     comm = collectives.init(autotune="off")  # the sweep tunes, probes or calibrates as asked
+    if device == "cuda":
+        use_local_device()
     result = sweep(comm)
     if comm.rank == 0:
         with open(output_path, "w") as output:

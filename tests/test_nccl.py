@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -22,7 +23,8 @@ from fake_nccl import FakeNccl
 
 import collectives
 from collectives import Communicator
-from collectives.backends import nccl
+from collectives.backends import device, nccl
+from collectives.backends.device import default_device, use_local_device
 from collectives.backends.errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -30,7 +32,7 @@ from collectives.backends.errors import (
     MismatchError,
     PeerLostError,
 )
-from collectives.backends.nccl import NcclRequest, NcclTransport, decode_envelope, default_device, encode_envelope
+from collectives.backends.nccl import NcclRequest, NcclTransport, decode_envelope, encode_envelope
 from collectives.backends.threads import ThreadFabric
 
 H = b"allreduce algorithm=ring dtype=float32 shape=(6,) op=sum"
@@ -113,6 +115,23 @@ def test_the_device_is_the_local_rank_unless_named() -> None:
     assert default_device({"COLLECTIVES_DEVICE": "2", "LOCAL_RANK": "1"}, 4) == 2
     with pytest.raises(ValueError, match="COLLECTIVES_DEVICE='7' is not a GPU of this machine"):
         default_device({"COLLECTIVES_DEVICE": "7"}, 4)
+
+
+def test_a_launched_rank_makes_its_local_gpu_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `bench --device cuda` does in each launched rank (NCCL does it at construction)."""
+    made_current: list[int] = []
+
+    class FakeDevice:
+        def __init__(self, number: int) -> None:
+            self.number = number
+
+        def use(self) -> None:
+            made_current.append(self.number)
+
+    fake_cuda = SimpleNamespace(Device=FakeDevice, runtime=SimpleNamespace(getDeviceCount=lambda: 2))
+    monkeypatch.setattr(device, "cupy_module", lambda: SimpleNamespace(cuda=fake_cuda))
+    assert use_local_device({"MPI_LOCALRANKID": "3"}) == 1
+    assert made_current == [1]
 
 
 def test_without_cupy_or_a_gpu_the_library_says_what_is_missing() -> None:
