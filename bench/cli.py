@@ -19,8 +19,8 @@ with `--preset` for one published cluster (docs/scaling.md).
 Everything is checked here, before any rank starts, so a bad option is one clear line, never a
 traceback from every rank. What each command does is in `collectives.bench.commands`.
 
-`--device cuda` puts every rank's buffers on the GPU (CuPy, the current device: device 0 unless
-CUDA_VISIBLE_DEVICES says otherwise): threads copy device to device, MPI and gRPC stage through
+`--device cuda` puts every rank's buffers on the GPU (CuPy; thread ranks on the current device,
+launched ranks on the GPU of their local rank): threads copy device to device, MPI and gRPC stage through
 pinned host memory. `--backend nccl` (launched ranks, NCCL over gRPC) always measures device
 buffers, and adds NCCL's own all-reduce as `native`. Without CuPy or a GPU it stops with one line
 saying which is missing.
