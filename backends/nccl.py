@@ -79,6 +79,8 @@ _SHARED_GPU_HINT = (
 """What NCCL's "invalid usage" at communicator creation most often means with this library."""
 
 _FIRST_POLL, _LAST_POLL = 20e-6, 1e-3
+_ENVELOPE_WAIT = 0.2
+"""How long the progress thread waits for envelopes before it looks whether to stop."""
 _TEARDOWN_SECONDS = 5.0
 """How long closing or aborting waits for NCCL to let go of its communicators."""
 
@@ -619,7 +621,7 @@ class NcclTransport(Transport):
         }
         while posted and not self._stopping:
             try:
-                self._channel.wait_any(list(posted.values()), 0.2)
+                self._channel.wait_any(list(posted.values()), _ENVELOPE_WAIT)
             except TimeoutError:
                 continue
             except CollectiveError:
@@ -742,11 +744,17 @@ class NcclTransport(Transport):
     # -- the engine's own collectives -------------------------------------------------------------
 
     def native_allreduce(self, src: Buffer, dst: Buffer, op: str, timeout: float | None = None, tag: int = 0) -> None:
-        """`ncclAllReduce`; a host buffer is staged through device memory around it.
+        """`ncclAllReduce`. Host buffers (the output lives where the input does) take the control
+        transport's own all-reduce where it has one for their dtype (MPI's), else are staged
+        through device memory around NCCL's.
 
         Raises:
             TimeoutError: not complete within `timeout`.
         """
+        control = self.control
+        if not is_device(src) and control.has_native_allreduce and src.dtype in control.native_dtypes:
+            control.native_allreduce(src, dst, op, timeout=timeout, tag=tag)
+            return
         if not (is_device(src) and is_device(dst)):
             gpu = runtime()
             on_device = [buf if is_device(buf) else self.measurement_buffer(buf.size, buf.dtype) for buf in (src, dst)]
@@ -851,15 +859,16 @@ class NcclTransport(Transport):
             _bounded(self._engines(), "abort", f"nccl-abort-rank{self.rank}")
 
     def close(self) -> None:
-        """Stop the progress thread and release the communicators (destroyed when nothing failed,
-        else aborted); then close the channel and the control transport."""
+        """Stop the progress thread, close the channel, release the communicators (destroyed when
+        nothing failed, else aborted), then close the control transport. Takes up to
+        `_ENVELOPE_WAIT` seconds: the progress thread notices between two waits."""
         with self._lock:
             healthy = self._failure is None and not any(request.test() is False for request in list(self._posted))
             if self._failure is None:
                 self._failure = PeerLostError(f"rank {self.rank}: transport already closed")
         self._stopping = True
-        self._channel.close()
-        self._progress.join(_TEARDOWN_SECONDS)
+        self._progress.join(_TEARDOWN_SECONDS)  # before the channel closes: MPI's requests are not to be
+        self._channel.close()  # freed under a thread that tests them (it looks every `_ENVELOPE_WAIT`)
         _bounded(self._engines(), "destroy" if healthy else "abort", f"nccl-close-rank{self.rank}")
         self.control.close()
 

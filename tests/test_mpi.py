@@ -261,6 +261,14 @@ def test_killed_peer_ends_the_job(options: tuple[str, ...], tmp_path: Path) -> N
 
 
 @needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_host_collectives_through_nccl_with_mpi_as_its_control(n: int) -> None:
+    """The NCCL transport over MPI (fake NCCL, host buffers): its envelope channel, polled by its
+    progress thread beside the collectives, MPI's agreement and all-reduce, dup and close."""
+    assert_ok(mpirun(n, str(SCRIPTS / "nccl_control.py")), n, "ok")
+
+
+@needs_mpi
 def test_slow_peer_is_not_a_lost_peer() -> None:
     """A rank that arrives after the others' timeout: the first to time out raises
     CollectiveTimeoutError, the rest PeerLostError, and since nobody died the job exits normally
