@@ -509,6 +509,8 @@ class NcclTransport(Transport):
         self._world: Engine | None = None
         self._failure: BaseException | None = None
         self._peer_failures: dict[int, BaseException] = {}
+        self._channel_abort: BaseException | None = None
+        """An abort for the channel, sent by the progress thread (`_abort_channel`)."""
         self._posted: weakref.WeakSet[NcclRequest] = weakref.WeakSet()
         """Device requests still referenced: closing destroys the communicators only if all are done."""
         self._stopping = False
@@ -619,7 +621,16 @@ class NcclTransport(Transport):
         posted = {
             peer: self._channel.irecv(buf, peer, _ENVELOPE_TAG, _ENVELOPE_HEADER) for peer, buf in buffers.items()
         }
+        try:
+            self._serve_envelopes(buffers, posted)
+        finally:
+            self._abort_channel()
+
+    def _serve_envelopes(self, buffers: dict[int, np.ndarray], posted: dict[int, Request]) -> None:
         while posted and not self._stopping:
+            if self._channel_abort is not None:
+                self._abort_channel()
+                return
             try:
                 self._channel.wait_any(list(posted.values()), _ENVELOPE_WAIT)
             except TimeoutError:
@@ -852,11 +863,23 @@ class NcclTransport(Transport):
             if first:
                 self._failure = failure
             receives, _ = self._matcher.drain()
-        self._channel.abort(error, None)
+            self._channel_abort = self._channel_abort or error
+        if not self._progress.is_alive():
+            self._abort_channel()  # else the progress thread does, within `_ENVELOPE_WAIT`
         for receive in receives:
             receive.fail(failure)
         if first:
             _bounded(self._engines(), "abort", f"nccl-abort-rank{self.rank}")
+
+    def _abort_channel(self) -> None:
+        """Abort the channel once (its peers' progress threads then fail what waits for this rank).
+
+        Done by the progress thread while it runs: an MPI channel's requests must not be failed
+        under a thread that is testing them."""
+        with self._lock:
+            error, self._channel_abort = self._channel_abort, None
+        if error is not None:
+            self._channel.abort(error, None)
 
     def close(self) -> None:
         """Stop the progress thread, close the channel, release the communicators (destroyed when
@@ -868,7 +891,8 @@ class NcclTransport(Transport):
                 self._failure = PeerLostError(f"rank {self.rank}: transport already closed")
         self._stopping = True
         self._progress.join(_TEARDOWN_SECONDS)  # before the channel closes: MPI's requests are not to be
-        self._channel.close()  # freed under a thread that tests them (it looks every `_ENVELOPE_WAIT`)
+        self._abort_channel()  # failed or freed under a thread that tests them (it looks every `_ENVELOPE_WAIT`)
+        self._channel.close()
         _bounded(self._engines(), "destroy" if healthy else "abort", f"nccl-close-rank{self.rank}")
         self.control.close()
 

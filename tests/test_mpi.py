@@ -264,8 +264,10 @@ def test_killed_peer_ends_the_job(options: tuple[str, ...], tmp_path: Path) -> N
 @pytest.mark.parametrize("n", [2, 3])
 def test_host_collectives_through_nccl_with_mpi_as_its_control(n: int) -> None:
     """The NCCL transport over MPI (fake NCCL, host buffers): its envelope channel, polled by its
-    progress thread beside the collectives, MPI's agreement and all-reduce, dup and close."""
-    assert_ok(mpirun(n, str(SCRIPTS / "nccl_control.py")), n, "ok")
+    progress thread beside the collectives, MPI's agreement and all-reduce, dup, an abort and close."""
+    job = mpirun(n, str(SCRIPTS / "nccl_control.py"))
+    assert_ok(job, n, "ok")
+    assert_ok(job, n, "mismatch ok")
 
 
 @needs_mpi

@@ -5,7 +5,8 @@
 NCCL itself is the fake of `tests/fake_nccl.py` (no GPU; it only ever joins ranks of one process,
 so nothing here may reach it): what runs is the NCCL transport's use of MPI: the duplicate that
 carries envelopes, polled by the progress thread while collectives run, MPI's agreement and
-all-reduce for host buffers, a duplicate communicator, and closing. Prints "rank R: ok".
+all-reduce for host buffers, a duplicate communicator, a mismatch (the abort through the channel)
+and closing. Prints "rank R: ok", then "rank R: mismatch ok".
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from fake_nccl import FakeNccl  # noqa: E402
 
-from collectives import Communicator  # noqa: E402
+from collectives import Communicator, MismatchError  # noqa: E402
 from collectives.backends.mpi import MPITransport  # noqa: E402
 from collectives.backends.nccl import NcclTransport  # noqa: E402
 
@@ -42,6 +43,10 @@ def main() -> int:
     np.testing.assert_array_equal(twin.allreduce(x, algorithm="ring"), expected)
     twin.close()
     print(f"rank {comm.rank}: ok", flush=True)
+    try:  # the last rank calls with another shape: every rank is told, and the job still exits cleanly
+        comm.allreduce(np.ones(3 if comm.rank == size - 1 else 4), algorithm="ring")
+    except MismatchError:
+        print(f"rank {comm.rank}: mismatch ok", flush=True)
     comm.close()
     return 0
 
