@@ -498,3 +498,33 @@ def test_nccls_invalid_usage_at_creation_says_what_it_most_likely_means(fake_ncc
             endpoints[0].isend(on_device(np.ones(1)), 1, 1, H).wait(WAIT)
     finally:
         close_all(endpoints)
+
+
+@pytest.mark.usefixtures("gpu")
+def test_duplicates_run_side_by_side_from_two_threads(fake_nccl: FakeNccl) -> None:
+    """Each duplicate has its own envelope channel and pair communicators: two threads per rank,
+    one duplicate each, all-reducing at the same time, never take each other's messages."""
+
+    def body(comm: Communicator) -> list[Any]:
+        twins = [comm.dup() for _ in range(2)]
+        results: list[Any] = [None, None]
+
+        def stream(index: int) -> None:
+            x = on_device(np.full(5000, (index + 1) * (comm.rank + 1), np.float32))
+            results[index] = [twins[index].allreduce(x, algorithm="ring") for _ in range(20)]
+
+        threads = [threading.Thread(target=stream, args=(index,)) for index in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT)
+        for twin in twins:
+            twin.close()
+        return results
+
+    total = 1 + 2 + 3
+    for per_thread in run_nccl(body, 3, fake_nccl):
+        for index, results in enumerate(per_thread):
+            assert results is not None and len(results) == 20, "a thread did not finish"
+            for result in results:
+                np.testing.assert_array_equal(result, np.full(5000, (index + 1) * total, np.float32))
