@@ -176,15 +176,15 @@ class CupyNccl:
         self._nccl = nccl
         self.version = _version_text(nccl.get_version())
         self._types = {np.dtype(name): getattr(nccl, f"NCCL_{name.upper()}") for name in map(str, NCCL_DTYPES)}
+        self._ids_are_bytes = isinstance(nccl.get_unique_id(), bytes)
+        """CuPy 14 gives and takes unique ids as bytes, CuPy 13 as tuples of signed chars."""
 
     def unique_id(self) -> bytes:
         uid = self._nccl.get_unique_id()
-        if isinstance(uid, bytes):
-            return uid
-        return bytes(value & 0xFF for value in uid)  # CuPy 13: a tuple of signed chars
+        return uid if self._ids_are_bytes else bytes(value & 0xFF for value in uid)
 
     def connect(self, size: int, uid: bytes, rank: int, device_id: int) -> Engine:
-        handle: Any = uid if isinstance(self._nccl.get_unique_id(), bytes) else tuple(np.frombuffer(uid, np.int8))
+        handle: Any = uid if self._ids_are_bytes else tuple(np.frombuffer(uid, np.int8))
         with self._cupy.cuda.Device(device_id):
             communicator = self._nccl.NcclCommunicator(size, handle, rank)
             return _CupyEngine(self, communicator, device_id)
@@ -223,16 +223,15 @@ class _CupyEngine:
         return finished
 
     def send(self, buf: Buffer, peer: int, after: Sequence[Event]) -> Event:
-        uint8 = self._nccl.NCCL_UINT8
-        return self._issue(
-            after, lambda stream: self._communicator.send(_address(buf), buf.nbytes, uint8, peer, stream)
-        )
+        return self._point_to_point("send", buf, peer, after)
 
     def recv(self, buf: Buffer, peer: int, after: Sequence[Event]) -> Event:
-        uint8 = self._nccl.NCCL_UINT8
-        return self._issue(
-            after, lambda stream: self._communicator.recv(_address(buf), buf.nbytes, uint8, peer, stream)
-        )
+        return self._point_to_point("recv", buf, peer, after)
+
+    def _point_to_point(self, method: str, buf: Buffer, peer: int, after: Sequence[Event]) -> Event:
+        """`send` or `recv` of `buf`'s bytes."""
+        call, uint8 = getattr(self._communicator, method), self._nccl.NCCL_UINT8
+        return self._issue(after, lambda stream: call(_address(buf), buf.nbytes, uint8, peer, stream))
 
     def allreduce(self, src: Buffer, dst: Buffer, op: str, after: Sequence[Event]) -> Event:
         return self._reduction("allReduce", src, dst, src.size, op, after)
@@ -437,17 +436,23 @@ class NcclRequest(PostedRequest):
 
     def wait(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _FIRST_POLL
-        while not self.test():
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"NCCL {self.kind} rank {self.rank} {self._direction()} tag {self.tag}")
-            time.sleep(pause)
-            pause = min(2 * pause, _LAST_POLL)
+        what = f"NCCL {self.kind} rank {self.rank} {self._direction()} tag {self.tag}"
+        _poll_until(self.test, deadline, lambda: what)
         if self._error is not None:
             raise self._error
 
     def _direction(self) -> str:
         return f"to rank {self.peer}" if self.kind == "send" else f"from rank {self.peer}"
+
+
+def _take_arrived(receive: NcclRequest, arrived: _Arrived) -> None:
+    """Give a message received into scratch to its receive, which copies it out once it is there;
+    or fail the receive if the message is not what it expects."""
+    mismatch = check(receive, arrived.header, arrived.nbytes)
+    if mismatch is not None:
+        receive.fail(mismatch)
+    else:
+        receive.arrived = arrived
 
 
 class _SendEdge:
@@ -536,9 +541,7 @@ class NcclTransport(Transport):
     def isend(self, buf: Buffer, dst: int, tag: int, header: bytes) -> Request:
         if not is_device(buf):
             return self.control.isend(buf, dst, tag, header)
-        self._check(buf, dst)
-        request = NcclRequest(self, "send", dst, tag, buf, header)
-        self._posted.add(request)
+        request = self._device_request("send", buf, dst, tag, header)
         failure = self.failure_for(dst)
         if failure is not None:
             request.fail(failure)
@@ -568,9 +571,7 @@ class NcclTransport(Transport):
     def irecv(self, buf: Buffer, src: int, tag: int, header: bytes) -> Request:
         if not is_device(buf):
             return self.control.irecv(buf, src, tag, header)
-        self._check(buf, src)
-        request = NcclRequest(self, "recv", src, tag, buf, header)
-        self._posted.add(request)
+        request = self._device_request("recv", buf, src, tag, header)
         with self._lock:
             failure = self.failure_for(src)
             arrived = None if failure is not None else self._matcher.take_message((src, tag))
@@ -579,18 +580,18 @@ class NcclTransport(Transport):
         if failure is not None:
             request.fail(failure)
         elif arrived is not None:
-            mismatch = check(request, arrived.header, arrived.nbytes)
-            if mismatch is not None:
-                request.fail(mismatch)
-            else:
-                request.arrived = arrived
+            _take_arrived(request, arrived)
         return request
 
-    def _check(self, buf: Buffer, peer: int) -> None:
+    def _device_request(self, kind: str, buf: Buffer, peer: int, tag: int, header: bytes) -> NcclRequest:
+        """A new send or receive of a device buffer, checked, and counted among the posted."""
         check_buffer(buf)
         if peer not in self._send_edges:
             raise ValueError(f"rank {self.rank}: peer {peer} is not another rank of this world of {self.size}")
         self._check_device(buf)
+        request = NcclRequest(self, kind, peer, tag, buf, header)
+        self._posted.add(request)
+        return request
 
     def _check_device(self, *buffers: Buffer) -> None:
         for buf in buffers:
@@ -605,13 +606,11 @@ class NcclTransport(Transport):
         if not any(isinstance(request, NcclRequest) for request in requests):
             self.control.wait_any(requests, timeout)
             return
-        deadline = time.monotonic() + timeout
-        pause = _FIRST_POLL
-        while not any(request.test() for request in requests):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"none of {len(requests)} requests completed within {timeout:g} s")
-            time.sleep(pause)
-            pause = min(2 * pause, _LAST_POLL)
+        _poll_until(
+            lambda: any(request.test() for request in requests),
+            time.monotonic() + timeout,
+            lambda: f"none of {len(requests)} requests completed within {timeout:g} s",
+        )
 
     # -- the receiving side's progress thread -----------------------------------------------------
 
@@ -688,11 +687,7 @@ class NcclTransport(Transport):
             if late is None:
                 self._matcher.hold_message((peer, tag), arrived)
                 return
-        mismatch = check(late, header, nbytes)
-        if mismatch is not None:
-            late.fail(mismatch)
-        else:
-            late.arrived = arrived
+        _take_arrived(late, arrived)
 
     # -- communicators ----------------------------------------------------------------------------
 
@@ -820,15 +815,16 @@ class NcclTransport(Transport):
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         world = self._world_engine(deadline)
         event = issue(world)
-        pause = _FIRST_POLL
-        while not world.done(event):
+
+        def finished() -> bool:
+            if world.done(event):
+                return True
             failure = self._failure or next(iter(self._peer_failures.values()), None)
             if failure is not None:
                 raise failure
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"rank {self.rank}: {what} did not complete")
-            time.sleep(pause)
-            pause = min(2 * pause, _LAST_POLL)
+            return False
+
+        _poll_until(finished, deadline, lambda: f"rank {self.rank}: {what} did not complete")
 
     def measurement_buffer(self, count: int, dtype: Any) -> Buffer:
         """Device memory on this rank's GPU: what this transport's users send, so what probes and
@@ -895,6 +891,21 @@ class NcclTransport(Transport):
         self._channel.close()
         _bounded(self._engines(), "destroy" if healthy else "abort", f"nccl-close-rank{self.rank}")
         self.control.close()
+
+
+def _poll_until(finished: Callable[[], bool], deadline: float | None, timed_out: Callable[[], str]) -> None:
+    """Call `finished` until it is true, sleeping between calls from 20 us up to 1 ms: CUDA events
+    and NCCL's errors can only be polled.
+
+    Raises:
+        TimeoutError: with the text `timed_out` gives, once `deadline` (monotonic) has passed.
+    """
+    pause = _FIRST_POLL
+    while not finished():
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(timed_out())
+        time.sleep(pause)
+        pause = min(2 * pause, _LAST_POLL)
 
 
 def _bounded(engines: Sequence[Engine], action: str, name: str) -> None:

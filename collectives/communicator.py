@@ -253,7 +253,10 @@ class Communicator:
             return _Local(copy_back(result, target, flat), src)
         header = collective_header("allreduce", src, algorithm=chosen, op=op.value)
         if chosen == NATIVE:
-            return self._planned(header, functools.partial(self._native_allreduce, flat, target, result, op), src)
+            run_native = functools.partial(
+                self._native_reduction, "all-reduce", self._transport.native_allreduce, flat, target, result, op
+            )
+            return self._planned(header, run_native, src)
         nodes, segment_bytes = self.topology.nodes, self.segment_bytes
 
         def run(group: Group) -> np.ndarray:
@@ -263,16 +266,21 @@ class Communicator:
 
         return self._planned(header, run, src)
 
-    def _native_allreduce(
-        self, flat: np.ndarray, target: np.ndarray, result: np.ndarray, op: ReduceOp, group: Group
+    def _native_reduction(
+        self,
+        what: str,
+        native: Callable[..., None],
+        flat: np.ndarray,
+        target: np.ndarray,
+        result: np.ndarray,
+        op: ReduceOp,
+        group: Group,
     ) -> np.ndarray:
+        """The engine's all-reduce or reduce-scatter (`native`, the transport's method) of `flat`
+        into `target`; a mean is the engine's sum, divided here."""
         native_op = "sum" if op is ReduceOp.MEAN else op.value
         self._run_native(
-            group,
-            "all-reduce",
-            lambda remaining: self._transport.native_allreduce(
-                flat, target, native_op, timeout=remaining, tag=group.tags.start
-            ),
+            group, what, lambda remaining: native(flat, target, native_op, timeout=remaining, tag=group.tags.start)
         )
         finalize(op, target, self.size)
         return copy_back(result, target)
@@ -335,19 +343,8 @@ class Communicator:
         if self.size == 1:
             return _Local(copy_back(result, target, flat[mine]), src)
         if self._runs_natively("reduce_scatter", src) and src.shape[0] % self.size == 0:
-            native_op = "sum" if op is ReduceOp.MEAN else op.value
-
-            def run_native(group: Group) -> np.ndarray:
-                self._run_native(
-                    group,
-                    "reduce-scatter",
-                    lambda remaining: self._transport.native_reduce_scatter(
-                        flat, target, native_op, timeout=remaining, tag=group.tags.start
-                    ),
-                )
-                finalize(op, target, self.size)
-                return copy_back(result, target)
-
+            scatter = self._transport.native_reduce_scatter
+            run_native = functools.partial(self._native_reduction, "reduce-scatter", scatter, flat, target, result, op)
             header = collective_header("reduce_scatter", src, algorithm=NATIVE, op=op.value)
             return self._planned(header, run_native, src)
 
