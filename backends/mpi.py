@@ -115,7 +115,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -204,7 +204,7 @@ _LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 """Where Open MPI's launcher and PMI launchers (MPICH's hydra, Slurm) say how many ranks they started."""
 
 
-def check_launched_size(environ: Any, world_size: int, library: str) -> None:
+def check_launched_size(environ: Mapping[str, str], world_size: int, library: str) -> None:
     """Refuse a world smaller than the launcher started.
 
     An mpi4py bound to another MPI library than the `mpiexec` that started the job (Open MPI's
