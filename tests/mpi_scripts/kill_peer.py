@@ -45,12 +45,20 @@ def stream_until_killed(comm: Communicator, x: Any, timeout: float, output: Path
         while time.monotonic() - start < 4 * timeout + 30:
             comm.allreduce(x, algorithm=algorithm)
     except CollectiveError as error:
-        report.write_text(f"{type(error).__name__} {time.monotonic() - start:.3f} {error}\n")
+        _write_whole(report, f"{type(error).__name__} {time.monotonic() - start:.3f} {error}\n")
         print(f"rank {comm.rank}: raised {type(error).__name__}: {error}", flush=True)
         comm.close()
         return 3
-    report.write_text("finished\n")
+    _write_whole(report, "finished\n")
     return 0
+
+
+def _write_whole(report: Path, text: str) -> None:
+    """Write `report` so that it appears whole or not at all: the launcher may kill this rank at
+    any moment once its peer is dead, and a half-written report reads as an empty one."""
+    partial = report.with_suffix(".part")
+    partial.write_text(text)
+    os.replace(partial, report)
 
 
 if __name__ == "__main__":
