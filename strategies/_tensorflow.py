@@ -34,6 +34,26 @@ def tensorflow() -> ModuleType:
     return tf
 
 
+@functools.cache
+def _tape_set_probe() -> Any:
+    """TensorFlow's test for an active gradient tape, or None where this version lacks it."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:
+        return None
+    return getattr(record, "could_possibly_record", None)
+
+
+def tape_recording() -> bool:
+    """Whether a `GradientTape` may be recording right now (True where TensorFlow cannot say).
+
+    TensorFlow has no public call for this; its own eager ops ask `could_possibly_record` before
+    recording a gradient, and so do the operations here, which skip `tf.custom_gradient` when it
+    says no tape is active."""
+    probe = _tape_set_probe()
+    return True if probe is None else bool(probe())
+
+
 def communicator(comm):
     """`comm`, or the communicator made by the last `collectives.init()` when it is None."""
     if comm is not None:

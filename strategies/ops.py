@@ -30,7 +30,7 @@ from collectives import Communicator
 from collectives.core.layout import even_bounds
 from collectives.core.ops import ReduceOp
 
-from ._tensorflow import as_array, as_operand, as_tensor, communicator, output_like, tensorflow
+from ._tensorflow import as_array, as_operand, as_tensor, communicator, output_like, tape_recording, tensorflow
 from .aggregator import variable_name
 from .fingerprint import check_same_everywhere, describe
 from .joining import announced_allreduce
@@ -50,19 +50,16 @@ def allreduce(
     op = reduce_op(op)
     tensor = tf.convert_to_tensor(tensor)
 
-    @tf.custom_gradient
-    def reduced(x: Any) -> Any:
-        def reduce(a: np.ndarray) -> np.ndarray:
-            return announced_allreduce(comm, a, op, algorithm, out=output_like(a))
+    def reduce(a: np.ndarray) -> np.ndarray:
+        return announced_allreduce(comm, a, op, algorithm, out=output_like(a))
 
-        result = _apply(tf, reduce, x, x.shape, "collectives_allreduce")
+    def forward(x: Any) -> Any:
+        return _apply(tf, reduce, x, x.shape, "collectives_allreduce")
 
-        def gradient(upstream: Any) -> Any:
-            return allreduce(_after(tf, result, upstream), _differentiable(op), comm, algorithm=algorithm)
+    def backward(result: Any, upstream: Any) -> Any:
+        return allreduce(_after(tf, result, upstream), _differentiable(op), comm, algorithm=algorithm)
 
-        return result, gradient
-
-    return reduced(tensor)
+    return _with_gradient(tf, forward, backward, tensor)
 
 
 def grouped_allreduce(
@@ -79,26 +76,23 @@ def grouped_allreduce(
     if not tensors:
         return []
 
-    @tf.custom_gradient
-    def reduced(*xs: Any) -> Any:
-        def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
-            return fused_allreduce(comm, arrays, op)
+    def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
+        return fused_allreduce(comm, arrays, op)
 
+    def forward(*xs: Any) -> list[Any]:
         if tf.executing_eagerly():
-            results = [as_tensor(r) for r in reduce(*(as_operand(x) for x in xs))]
-        else:
-            results = tf.numpy_function(
-                reduce, list(xs), [x.dtype for x in xs], stateful=True, name="collectives_grouped_allreduce"
-            )
-            for result, x in zip(results, xs):
-                result.set_shape(x.shape)
+            return [as_tensor(r) for r in reduce(*(as_operand(x) for x in xs))]
+        results = tf.numpy_function(
+            reduce, list(xs), [x.dtype for x in xs], stateful=True, name="collectives_grouped_allreduce"
+        )
+        for result, x in zip(results, xs):
+            result.set_shape(x.shape)
+        return list(results)
 
-        def gradient(*upstream: Any) -> list[Any]:
-            return grouped_allreduce([_after(tf, results, u) for u in upstream], _differentiable(op), comm)
+    def backward(results: Any, *upstream: Any) -> list[Any]:
+        return grouped_allreduce([_after(tf, results, u) for u in upstream], _differentiable(op), comm)
 
-        return list(results), gradient
-
-    return list(reduced(*tensors))
+    return list(_with_gradient(tf, forward, backward, *tensors))
 
 
 def fused_allreduce(comm: Communicator, arrays: Sequence[np.ndarray], op: str | ReduceOp) -> list[np.ndarray]:
@@ -132,20 +126,17 @@ def allgather(tensor: Any, comm: Communicator | None = None) -> Any:
     tensor = tf.convert_to_tensor(tensor)
     shape = [None, *tensor.shape[1:]] if tensor.shape.rank else [None]
 
-    @tf.custom_gradient
-    def gathered(x: Any) -> Any:
-        result = _apply(tf, lambda a: allgather_rows(comm, a), x, shape, "collectives_allgather")
+    def forward(x: Any) -> Any:
+        return _apply(tf, lambda a: allgather_rows(comm, a), x, shape, "collectives_allgather")
 
-        def gradient(upstream: Any) -> Any:
-            summed = allreduce(_after(tf, result, upstream), "sum", comm)
-            rows = tf.shape(x)[:1] if x.shape.rank else tf.ones([1], tf.int32)
-            counts = allgather(rows, comm)
-            start = tf.reduce_sum(counts[: comm.rank])
-            return tf.reshape(summed[start : start + counts[comm.rank]], tf.shape(x))
+    def backward(result: Any, upstream: Any) -> Any:
+        summed = allreduce(_after(tf, result, upstream), "sum", comm)
+        rows = tf.shape(tensor)[:1] if tensor.shape.rank else tf.ones([1], tf.int32)
+        counts = allgather(rows, comm)
+        start = tf.reduce_sum(counts[: comm.rank])
+        return tf.reshape(summed[start : start + counts[comm.rank]], tf.shape(tensor))
 
-        return result, gradient
-
-    return gathered(tensor)
+    return _with_gradient(tf, forward, backward, tensor)
 
 
 def broadcast(tensor: Any, root: int = 0, comm: Communicator | None = None) -> Any:
@@ -155,20 +146,17 @@ def broadcast(tensor: Any, root: int = 0, comm: Communicator | None = None) -> A
     comm = communicator(comm)
     tensor = tf.convert_to_tensor(tensor)
 
-    @tf.custom_gradient
-    def broadcasted(x: Any) -> Any:
-        def copy_from_root(a: np.ndarray) -> np.ndarray:
-            return comm.broadcast(a, root=root, out=output_like(a))
+    def copy_from_root(a: np.ndarray) -> np.ndarray:
+        return comm.broadcast(a, root=root, out=output_like(a))
 
-        result = _apply(tf, copy_from_root, x, x.shape, "collectives_broadcast")
+    def forward(x: Any) -> Any:
+        return _apply(tf, copy_from_root, x, x.shape, "collectives_broadcast")
 
-        def gradient(upstream: Any) -> Any:
-            summed = allreduce(_after(tf, result, upstream), "sum", comm)
-            return summed if comm.rank == root else tf.zeros_like(summed)
+    def backward(result: Any, upstream: Any) -> Any:
+        summed = allreduce(_after(tf, result, upstream), "sum", comm)
+        return summed if comm.rank == root else tf.zeros_like(summed)
 
-        return result, gradient
-
-    return broadcasted(tensor)
+    return _with_gradient(tf, forward, backward, tensor)
 
 
 def alltoall(tensor: Any, splits: Any = None, comm: Communicator | None = None) -> tuple[Any, Any]:
@@ -236,6 +224,22 @@ def reduce_scatter(tensor: Any, op: str | ReduceOp = "sum", comm: Communicator |
 def reduce_op(op: str | ReduceOp) -> ReduceOp:
     """`op` parsed, Horovod's "average" meaning "mean"."""
     return ReduceOp.MEAN if isinstance(op, str) and op.lower() == AVERAGE else ReduceOp.parse(op)
+
+
+def _with_gradient(tf, forward: Callable[..., Any], backward: Callable[..., Any], *tensors: Any) -> Any:
+    """`forward(*tensors)`, differentiable with `backward(result, *upstream)` as its gradient
+    wherever a gradient may be taken: always in a graph, and eagerly while a `GradientTape`
+    records. Eagerly with no tape the custom-gradient machinery is skipped: it costs several times
+    a small all-reduce, and most eager calls (metrics, broadcasts of weights) record nothing."""
+    if tf.executing_eagerly() and not tape_recording():
+        return forward(*tensors)
+
+    @tf.custom_gradient
+    def differentiable(*xs: Any) -> Any:
+        result = forward(*xs)
+        return result, lambda *upstream: backward(result, *upstream)
+
+    return differentiable(*tensors)
 
 
 def _after(tf, forward: Any, upstream: Any) -> Any:

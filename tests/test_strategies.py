@@ -164,6 +164,29 @@ def test_tensor_collectives_eagerly_and_in_tf_function() -> None:
 
 
 @needs_tf
+def test_eager_collectives_record_their_gradient_only_while_a_tape_records() -> None:
+    """Outside a tape the eager ops skip `tf.custom_gradient` (`tape_recording` says no tape is
+    active); inside one, the gradient of a sum all-reduce is the all-reduce of the incoming ones."""
+    import tensorflow as tf
+
+    from collectives.strategies import allreduce
+    from collectives.strategies._tensorflow import tape_recording
+
+    def body(comm: collectives.Communicator):
+        x = tf.Variable([1.0, 2.0])
+        outside = tape_recording(), allreduce(x, comm=comm).numpy()
+        with tf.GradientTape() as tape:
+            inside = tape_recording()
+            loss = tf.reduce_sum(allreduce(x, comm=comm) * (comm.rank + 1))
+        return outside, inside, tape.gradient(loss, x).numpy()
+
+    for (recording_outside, summed), recording_inside, gradient in run_threads(body, 2, timeout=60):
+        assert not recording_outside and recording_inside
+        np.testing.assert_array_equal(summed, [2.0, 4.0])
+        np.testing.assert_array_equal(gradient, [3.0, 3.0])
+
+
+@needs_tf
 def test_broadcast_variables_inside_tf_function_gets_no_autograph_warning(tmp_path: Path) -> None:
     """AutoGraph converts the function it is called in; code it cannot convert is run as-is with a
     warning that users take for a bug (it once said "annotated name 'by_dtype' can't be nonlocal")."""
