@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np  # noqa: E402
 
 from collectives import Communicator  # noqa: E402
-from collectives.backends.mpi import MPITransport  # noqa: E402
+from collectives.backends.mpi import SPIN_SECONDS, MPITransport  # noqa: E402
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES  # noqa: E402
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -52,7 +52,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--op", default="sum")
     parser.add_argument("--segment-bytes", type=int, default=DEFAULT_SEGMENT_BYTES)
-    parser.add_argument("--spin-seconds", type=float, default=None, help="MPITransport's busy-poll phase")
+    parser.add_argument("--spin-seconds", type=float, default=SPIN_SECONDS, help="MPITransport's busy-poll phase")
     args = parser.parse_args()
     from mpi4py import MPI
 
