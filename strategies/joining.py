@@ -28,7 +28,11 @@ and the next collective is announced as usual; a step announced that way is foll
 some rank has joined, by a broadcast of its bucket layout (one row per bucket) from the first rank
 still training. Outside `join()` the tape pays one small all-gather per step, hidden behind the
 next forward pass; `allreduce` and `grouped_allreduce` pay one per call; plain `Communicator`
-collectives pay nothing.
+collectives pay nothing. A small all-reduce with `algorithm="auto"` (up to 4 KiB, less in worlds of
+more than 16 ranks) pays nothing more: its data rides in its announcement, and every rank reduces
+the rows of the ranks still training in rank order (what the `direct` algorithm computes), so one
+all-gather does the whole call. Every announcement has room for that data, since any two
+announcements may meet in one all-gather and must be the same size.
 
 What a joined rank contributes is the identity of the op: zeros for sum and mean, ones for prod, the
 lowest and highest value for max and min, so that those three give the result of the ranks with
@@ -57,14 +61,16 @@ import numpy as np
 
 from collectives import Communicator, MismatchError, Work
 from collectives.arguments import flat_view
-from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction
+from collectives.core.arrays import is_device
+from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction, combine, finalize
 from collectives.ps_tasks import job_for
 
 from ._tensorflow import communicator
 
 _ACTIVE, _JOINED = 1, 2
-_ALLREDUCE, _CHECK, _STEP, _PROMISE = 1, 2, 3, 4
-"""What a record announces: an all-reduce, a fingerprint check, a tape step, or the promise of one."""
+_ALLREDUCE, _CHECK, _STEP, _PROMISE, _CARRIED = 1, 2, 3, 4, 5
+"""What a record announces: an all-reduce, a fingerprint check, a tape step, the promise of one, or
+an all-reduce whose data the announcement carries (nothing for a joined rank to answer)."""
 _OPS = tuple(ReduceOp)
 _DIGEST_WORDS = 4
 """int64 words of a digest (32 bytes): a check's fingerprint, a step's bucket layout."""
@@ -72,7 +78,11 @@ _DIGEST_WORDS = 4
 _STATE, _FRESH, _KIND, _DTYPE, _COUNT, _OP, _ALGORITHM, _DIGEST = 0, 1, 2, 3, 4, 5, 6, 7
 _RECORD_WORDS = _DIGEST + _DIGEST_WORDS
 """An announcement: state, fresh (a joined rank's first announcement), kind, dtype, count (of
-elements; of buckets for a step), op, algorithm, digest; int64 words."""
+elements; of buckets for a step), op, algorithm, digest; int64 words. Then room for data
+(`_carried_words`)."""
+_CARRIED_BYTES, _CARRIED_TOTAL_BYTES = 4096, 64 << 10
+"""An announcement carries at most this much of a small all-reduce's data, and at most this much
+over all ranks (so a large world carries less per rank)."""
 _ROW = slice(_DTYPE, _ALGORITHM + 1)
 """The words of a record that describe one all-reduce: a row of a step's bucket layout."""
 
@@ -104,7 +114,7 @@ def join(comm: Communicator | None = None) -> int:
     kept = _settle_promise(comm)
     if kept is not None:  # every rank was promised one more step of this layout: answer it
         _answer_step(comm, kept.rows)
-    record = np.zeros(_RECORD_WORDS, dtype=np.int64)
+    record = _new_record(comm)
     record[_STATE], record[_FRESH] = _JOINED, 1
     while True:
         records = _announce(comm, record)
@@ -117,36 +127,69 @@ def join(comm: Communicator | None = None) -> int:
             _answer_allreduce(comm, plan[_ROW])
         elif plan[_KIND] == _STEP:
             _answer_step(comm, _received_layout(comm, plan, int(training[0])))
-        # a fingerprint check has nothing to answer; a promise seen by a joined rank is void
+        # a fingerprint check and a carried all-reduce have nothing to answer; a promise seen by
+        # a joined rank is void
 
 
 def announced_allreduce(
     comm: Communicator, array: np.ndarray, op: str | ReduceOp = "sum", algorithm: str = "auto", out: Any = None
 ) -> np.ndarray:
-    """`comm.allreduce(array, op, algorithm, out)`, which ranks that have joined answer."""
+    """`comm.allreduce(array, op, algorithm, out)`, which ranks that have joined answer.
+
+    With `algorithm="auto"`, a small host array travels inside the announcement itself, and every
+    rank reduces the rows of the ranks still training in rank order (the `direct` algorithm's
+    result): one collective instead of the announcement and then the all-reduce.
+    """
     if comm.size == 1:
         return comm.allreduce(array, op, algorithm, out)
     flat = flat_view(array)
-    record = np.zeros(_RECORD_WORDS, dtype=np.int64)
+    record = _new_record(comm)
     record[_STATE], record[_KIND] = _ACTIVE, _ALLREDUCE
     record[_ROW] = _allreduce_row(comm, flat, op, algorithm)
+    carried = algorithm == "auto" and not is_device(flat) and flat.nbytes <= 8 * (record.size - _RECORD_WORDS)
+    if carried:
+        record[_KIND] = _CARRIED
+        record[_RECORD_WORDS:].view(np.uint8)[: flat.nbytes] = flat.view(np.uint8)
     _settle_promise(comm)
-    _announce_agreed(comm, record)
-    reduced = comm.allreduce(flat, op, algorithm, None if out is None else out.reshape(-1))
-    return reduced.reshape(np.shape(array)) if out is None else out
+    records = _announce_agreed(comm, record)
+    if not carried:
+        reduced = comm.allreduce(flat, op, algorithm, None if out is None else out.reshape(-1))
+        return reduced.reshape(np.shape(array)) if out is None else out
+    if out is None:
+        result = np.empty(np.shape(array), flat.dtype)
+        _reduce_carried(records, ReduceOp.parse(op), comm.size, result.reshape(-1))
+        return result
+    if out.flags.c_contiguous:
+        _reduce_carried(records, ReduceOp.parse(op), comm.size, out.reshape(-1))
+        return out
+    reduced = np.empty(flat.size, flat.dtype)
+    _reduce_carried(records, ReduceOp.parse(op), comm.size, reduced)
+    out[...] = reduced.reshape(np.shape(out))
+    return out
+
+
+def _reduce_carried(records: np.ndarray, op: ReduceOp, size: int, out: np.ndarray) -> None:
+    """`out` = `op` over the data that the records of the ranks still training carry, in rank
+    order (mean divides by `size`, as every all-reduce here does)."""
+    training = np.flatnonzero(records[:, _STATE] == _ACTIVE)
+    data = [records[rank, _RECORD_WORDS:].view(np.uint8)[: out.nbytes].view(out.dtype) for rank in training]
+    out[...] = data[0]
+    for contribution in data[1:]:
+        combine(op, out, contribution, out)
+    finalize(op, out, size)
 
 
 def announced_digests(comm: Communicator, digest: bytes) -> np.ndarray:
     """Every rank's 32-byte `digest` (rows of uint8, in rank order), rows of joined ranks left out."""
     if len(digest) != 8 * _DIGEST_WORDS:
         raise ValueError(f"a digest has {8 * _DIGEST_WORDS} bytes, got {len(digest)}")
-    record = np.zeros(_RECORD_WORDS, dtype=np.int64)
+    record = _new_record(comm)
     record[_STATE], record[_KIND] = _ACTIVE, _CHECK
-    record[_DIGEST:] = np.frombuffer(digest, dtype=np.int64)
+    record[_DIGEST:_RECORD_WORDS] = np.frombuffer(digest, dtype=np.int64)
     _settle_promise(comm)
     records = _announce(comm, record)
     training = records[records[:, _STATE] == _ACTIVE]
-    return np.ascontiguousarray(training[:, _DIGEST:]).view(np.uint8)
+    return np.ascontiguousarray(training[:, _DIGEST:_RECORD_WORDS]).view(np.uint8)
 
 
 class AnnouncedSteps:
@@ -158,9 +201,9 @@ class AnnouncedSteps:
         `algorithm`."""
         self.comm = comm
         self.rows = np.array([_allreduce_row(comm, wire, "sum", algorithm) for wire in wires], dtype=np.int64)
-        self._record = np.zeros(_RECORD_WORDS, dtype=np.int64)
+        self._record = _new_record(comm)
         self._record[_STATE], self._record[_KIND], self._record[_COUNT] = _ACTIVE, _STEP, len(self.rows)
-        self._record[_DIGEST:] = _digest_words(self.rows.tobytes())
+        self._record[_DIGEST:_RECORD_WORDS] = _digest_words(self.rows.tobytes())
         self._promise = self._record.copy()
         self._promise[_KIND] = _PROMISE
 
@@ -205,7 +248,7 @@ def _settle_promise(comm: Communicator) -> AnnouncedSteps | None:
     if open_round is None:
         return None
     work, promised = open_round
-    records = work.wait().reshape(comm.size, _RECORD_WORDS)
+    records = work.wait().reshape(comm.size, -1)
     if (records[:, _STATE] != _ACTIVE).any():
         return None
     _agreed_plan(comm, records, np.arange(comm.size))
@@ -215,7 +258,7 @@ def _settle_promise(comm: Communicator) -> AnnouncedSteps | None:
 def _received_layout(comm: Communicator, plan: np.ndarray, root: int) -> np.ndarray:
     """The bucket layout (one row per bucket) of the step `plan` announced, as `root` broadcasts it."""
     rows = comm.broadcast(np.zeros((int(plan[_COUNT]), _ROW.stop - _ROW.start), np.int64), root)
-    if not np.array_equal(_digest_words(rows.tobytes()), plan[_DIGEST:]):
+    if not np.array_equal(_digest_words(rows.tobytes()), plan[_DIGEST:_RECORD_WORDS]):
         raise MismatchError(
             f"rank {comm.rank} (joined): the bucket layout broadcast by rank {root} differs from the one it "
             f"announced ({_describe(plan)})"
@@ -248,13 +291,20 @@ def _allreduce_row(comm: Communicator, flat: np.ndarray, op: str | ReduceOp, alg
     return np.array([REDUCTION_DTYPES.index(flat.dtype), flat.size, _OPS.index(op), algorithm_code], dtype=np.int64)
 
 
+def _new_record(comm: Communicator) -> np.ndarray:
+    """An empty announcement with room for the data of a small all-reduce: the same size on every
+    rank and for every kind, since any two announcements may meet in one all-gather."""
+    carried_bytes = min(_CARRIED_BYTES, _CARRIED_TOTAL_BYTES // comm.size)
+    return np.zeros(_RECORD_WORDS + carried_bytes // 8, dtype=np.int64)
+
+
 def _digest_words(data: bytes) -> np.ndarray:
     return np.frombuffer(hashlib.sha256(data).digest(), dtype=np.int64)
 
 
 def _announce(comm: Communicator, record: np.ndarray) -> np.ndarray:
     """Every rank's record, one row per rank."""
-    return comm.allgather(record).reshape(comm.size, _RECORD_WORDS)
+    return comm.allgather(record).reshape(comm.size, -1)
 
 
 def _announce_agreed(comm: Communicator, record: np.ndarray) -> np.ndarray:
@@ -265,29 +315,28 @@ def _announce_agreed(comm: Communicator, record: np.ndarray) -> np.ndarray:
 
 
 def _agreed_plan(comm: Communicator, records: np.ndarray, training: np.ndarray) -> np.ndarray:
-    """The collective the ranks still training announced; a MismatchError if they disagree."""
+    """The collective the ranks still training announced; a MismatchError if they disagree.
+
+    They must agree in every word but state and fresh (and the data an all-reduce carries), except
+    in the digest of a fingerprint check, which the check itself compares."""
     first = training[0]
-    for other in training[1:]:
-        if not np.array_equal(_compared(records[other]), _compared(records[first])):
-            joined = " (joined)" if records[comm.rank, _STATE] == _JOINED else ""
-            raise MismatchError(
-                f"rank {comm.rank}{joined}: ranks {first} and {other} announced different collectives: "
-                f"{_describe(records[first])} and {_describe(records[other])}"
-            )
+    compared = records[training, _KIND : _DIGEST if records[first, _KIND] == _CHECK else _RECORD_WORDS]
+    agreeing = (compared == compared[0]).all(axis=1)
+    if not agreeing.all():
+        other = training[np.argmin(agreeing)]
+        joined = " (joined)" if records[comm.rank, _STATE] == _JOINED else ""
+        raise MismatchError(
+            f"rank {comm.rank}{joined}: ranks {first} and {other} announced different collectives: "
+            f"{_describe(records[first])} and {_describe(records[other])}"
+        )
     return records[first]
-
-
-def _compared(record: np.ndarray) -> np.ndarray:
-    """The words in which the ranks still training must agree: all but state and fresh, except the
-    digest of a fingerprint check (which the check itself compares)."""
-    return record[_KIND:_DIGEST] if record[_KIND] == _CHECK else record[_KIND:]
 
 
 def _describe(record: np.ndarray) -> str:
     if record[_KIND] == _CHECK:
         return "a variable fingerprint check"
     if record[_KIND] in (_STEP, _PROMISE):
-        digest = record[_DIGEST:].tobytes().hex()[:12]
+        digest = record[_DIGEST:_RECORD_WORDS].tobytes().hex()[:12]
         step = f"a tape step of {record[_COUNT]} buckets (layout {digest})"
         return step if record[_KIND] == _STEP else f"the promise of {step}"
     return (

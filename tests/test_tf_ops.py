@@ -135,6 +135,41 @@ def test_announced_allreduce_checks_its_arguments_before_sending_anything() -> N
     run_threads(body, 2, timeout=20)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+def test_a_small_announced_allreduce_travels_in_its_announcement(dtype: str, op: str) -> None:
+    """With `auto`, an all-reduce that fits in the announcement rides in it (one all-gather, no
+    all-reduce) and equals the direct algorithm's result (rank order) bit for bit on every rank;
+    one too large for it, or naming its algorithm, is announced and then all-reduced."""
+    if op == "mean" and not dtype.startswith("float"):
+        pytest.skip("mean needs a floating dtype")
+    values = np.random.default_rng(5).normal(2.0, 1.0, (3, 4096)).astype(dtype)
+
+    def body(comm: collectives.Communicator) -> tuple[list[np.ndarray], list[str]]:
+        calls: list[str] = []
+        _recording_calls(comm, calls)
+        small = values[comm.rank, :7].reshape(7, 1)
+        out = np.empty((7, 1), dtype)
+        results = [
+            announced_allreduce(comm, small, op),
+            announced_allreduce(comm, small, op, out=out),
+            announced_allreduce(comm, small, op, out=np.empty((1, 7), dtype).T),  # not contiguous
+            comm.allreduce(small, op, algorithm="direct"),
+        ]
+        assert results[1] is out
+        calls.append("|")
+        announced_allreduce(comm, values[comm.rank], op)  # more than an announcement carries
+        announced_allreduce(comm, small, op, algorithm="ring")
+        return results, calls
+
+    runs = run_threads(body, 3, timeout=20)
+    for results, calls in runs:
+        assert calls == ["allgather"] * 3 + ["allreduce", "|"] + ["allgather", "allreduce"] * 2
+        for got in results:
+            assert got.shape == (7, 1) and got.dtype == dtype
+            np.testing.assert_array_equal(got, runs[0][0][3])  # the direct algorithm's, on rank 0
+
+
 _SHAPES = [(3,), (2, 2), (5,), (1,)]
 """A gradient layout of four buckets (with `bucket_bytes=16`), two of them float64."""
 _DTYPES = [np.float32, np.float64, np.float32, np.float64]
