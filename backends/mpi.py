@@ -834,7 +834,16 @@ class MPITransport(Transport):
     agrees_natively = True
 
     def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> _Native:
-        return self._start_allreduce(digest, result, "max", tag)
+        """MPI_Iallreduce (MAX) of the int64 `digest` into `result`: the buffers come from the
+        agreement itself, so none of `native_allreduce`'s checks of a caller's buffers apply."""
+        if (refusal := self._refusal()) is not None:
+            raise refusal
+        MPI = _MPI
+        request = _Native(
+            self, self._comm.Iallreduce([digest, MPI.INT64_T], [result, MPI.INT64_T], MPI.MAX), (digest, result), tag
+        )
+        self._live.add(request)
+        return request
 
     def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
         """Every rank's header, by MPI_Iallgather of fixed-size records, polled like a message.
