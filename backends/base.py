@@ -252,8 +252,11 @@ class Transport(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no native all-reduce")
 
     native_collectives: frozenset[str] = frozenset()
-    """Which of "reduce_scatter", "allgather" and "broadcast" the engine also runs itself (NCCL);
-    `Communicator` uses them for device buffers instead of its ring and tree."""
+    """Which of "reduce_scatter", "allgather" and "broadcast" the engine also runs itself on
+    device buffers (NCCL); `Communicator` uses them instead of its ring and tree."""
+
+    native_host_collectives: frozenset[str] = frozenset()
+    """The same for host buffers (MPI: "allgather")."""
 
     def native_reduce_scatter(
         self, src: Buffer, dst: Buffer, op: str, timeout: float | None = None, tag: int = 0

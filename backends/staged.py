@@ -181,6 +181,7 @@ class StagedTransport(Transport):
         self.fuses_receive_reduce = inner.fuses_receive_reduce
         self.has_native_allreduce = inner.has_native_allreduce
         self.native_dtypes = inner.native_dtypes
+        self.native_host_collectives = inner.native_host_collectives
         self.agrees_natively = inner.agrees_natively
         self.duplicable = inner.duplicable
         self.pool = PinnedPool(pool_bytes)
@@ -250,6 +251,10 @@ class StagedTransport(Transport):
             self.pool.give(staged_dst)
         if staged_src is not None:
             self.pool.give(staged_src)
+
+    def native_allgather(self, src: Buffer, dst: Buffer, timeout: float | None = None, tag: int = 0) -> None:
+        """The inner transport's, for the host buffers the Communicator hands it natively."""
+        self.inner.native_allgather(src, dst, timeout=timeout, tag=tag)
 
     def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> Request:
         return self.inner.start_agreement(digest, result, tag)

@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"comma-separated all-reduce algorithms from auto,{','.join(allreduce_algorithms())},{NATIVE} "
         f"(native: MPI only); default {','.join(default_allreduce())} (+native on MPI); the other "
-        f"collectives have one algorithm each ({', '.join(f'{c}: {a}' for c, a in FIXED_ALGORITHM.items())})",
+        f"collectives have one algorithm each ({', '.join(f'{c}: {a}' for c, a in FIXED_ALGORITHM.items())}; "
+        f"native on nccl, and allgather on mpi)",
     )
     parser.add_argument(
         "--num-servers",
@@ -264,8 +265,12 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     if collective == "allreduce":
         default = (*default_allreduce(), NATIVE) if args.backend in _NATIVE_BACKENDS else default_allreduce()
         known = {"auto", NATIVE, *allreduce_algorithms()}
-    else:  # over NCCL, device buffers take NCCL's own (a reduce-scatter of uneven rows the ring)
-        default = (NATIVE if args.backend == "nccl" else FIXED_ALGORITHM[collective],)
+    else:  # the engine's own where the Communicator takes it: NCCL's for device buffers (a
+        # reduce-scatter of uneven rows the ring), MPI's all-gather for host buffers
+        engine_runs_it = args.backend == "nccl" or (
+            args.backend == "mpi" and collective == "allgather" and args.device == "cpu"
+        )
+        default = (NATIVE if engine_runs_it else FIXED_ALGORITHM[collective],)
         known = set(default)
     check_device(args)
     if args.device == "cpu" and raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):

@@ -353,3 +353,12 @@ def test_nccl_sweeps_measure_device_buffers_with_nccls_own_collectives(monkeypat
     for collective in ("reduce_scatter", "allgather", "broadcast"):
         spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "nccl", "-c", collective]), 2)
         assert spec.algorithms == ("native",), collective
+
+
+def test_mpi_all_gathers_of_host_buffers_are_labelled_native() -> None:
+    """Over MPI the Communicator hands host all-gathers to MPI_Iallgather; device ones (staged) and
+    the other collectives keep the library's algorithm."""
+    spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi", "-c", "allgather"]), 2)
+    assert spec.algorithms == ("native",)
+    spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi", "-c", "broadcast"]), 2)
+    assert spec.algorithms == ("tree",)

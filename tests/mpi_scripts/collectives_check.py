@@ -8,7 +8,9 @@
   holding the same bits (compared through MPI itself, not through the library under test);
 * the communicator's algorithm list offers "native";
 * one rank calling "native" while the others call "ring": MismatchError naming both everywhere,
-  within seconds (the rank inside MPI_Iallreduce learns it through the abort notice).
+  within seconds (the rank inside MPI_Iallreduce learns it through the abort notice);
+* all-gathers (MPI_Iallgather): every dtype and count, into `out` and in place, and ranks passing
+  different sizes failing with MismatchError.
 
 Prints "rank R: collectives checks ok (N cases)" and exits 0, or raises.
 """
@@ -61,6 +63,7 @@ def main() -> int:
                     assert_close(result, reference(inputs, op), dtype, p, what)
                     digests = world.allgather(hashlib.sha256(result.tobytes()).hexdigest())
                     assert len(set(digests)) == 1, f"{what}: ranks hold different bits"
+    cases += check_allgather(comm)
     comm.close()
 
     comm = Communicator(MPITransport.from_environment(), timeout=30)
@@ -75,6 +78,34 @@ def main() -> int:
     comm.close()
     print(f"rank {world.rank}: collectives checks ok ({cases} cases)", flush=True)
     return 0
+
+
+def check_allgather(comm: Communicator) -> int:
+    """All-gathers of host buffers (MPI_Iallgather through the Communicator): every dtype, counts
+    0 to 100_003 and 2-d rows, into a new array, into `out`, and in place (the input a view of this
+    rank's block of `out`); every rank's rows, in rank order. Returns the number of cases."""
+    p, cases = comm.size, 0
+    for count in (0, 1, p + 1, 100_003):
+        for dtype in DTYPES:
+            cases += 1
+            inputs = [rank_input(r, count, dtype, cases).reshape(-1, 1) for r in range(p)]
+            want = np.concatenate(inputs)
+            what = f"allgather count={count} {dtype}"
+            np.testing.assert_array_equal(comm.allgather(inputs[comm.rank]), want, err_msg=what)
+            out = np.empty_like(want)
+            assert comm.allgather(inputs[comm.rank], out=out) is out, what
+            np.testing.assert_array_equal(out, want, err_msg=f"{what} into out")
+            out = np.zeros_like(want)
+            mine = out[comm.rank * count : (comm.rank + 1) * count]
+            mine[...] = inputs[comm.rank]
+            np.testing.assert_array_equal(comm.allgather(mine, out=out), want, err_msg=f"{what} in place")
+    try:
+        comm.allgather(np.ones(3 + (comm.rank == 0), np.float32))
+    except MismatchError as error:
+        assert "shape=(3,)" in str(error) and "shape=(4,)" in str(error), str(error)
+    else:
+        raise AssertionError(f"rank {comm.rank}: all-gathers of different sizes did not fail")
+    return cases
 
 
 if __name__ == "__main__":
