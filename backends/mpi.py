@@ -843,7 +843,9 @@ class MPITransport(Transport):
     """MPI_Iallgather beat the library's ring all-gather at every size measured (2 ranks: 4 KiB 41
     -> 23 us, 1 MiB 268 -> 232 us, 16 MiB 4.5 -> 2.6 ms; 4 ranks on 2 cores: 188 -> 118 us, 1222 ->
     982 us, 23.2 -> 21.5 ms). MPI_Ibcast did not beat the tree broadcast with 4 ranks on 2 cores
-    (164 -> 205 us at 4 KiB, 866 -> 1364 us at 1 MiB), so broadcasts keep the tree."""
+    (164 -> 205 us at 4 KiB, 866 -> 1364 us at 1 MiB), so broadcasts keep the tree; nor did
+    MPI_Ireduce_scatter_block beat the ring reduce-scatter (4 ranks: 362 -> 671 us at 4 KiB, 955 ->
+    1379 us at 1 MiB; 2 ranks at 1 MiB: 190 -> 254 us)."""
 
     def native_allgather(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, tag: int = 0) -> None:
         """MPI_Iallgather of `src`'s bytes into `dst`, polled like a message (timeouts and aborts

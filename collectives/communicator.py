@@ -304,15 +304,14 @@ class Communicator:
 
     def _runs_natively(self, collective: str, src: Any) -> bool:
         """Whether the backend's engine runs this collective of `src` itself (NCCL on device
-        buffers of a type it knows, MPI's all-gather on host buffers; something to move), which
-        beats the library's algorithms over its sends."""
+        buffers, MPI on host buffers; something to move, of a type the engine reduces), which beats
+        the library's algorithms over its sends."""
         transport = self._transport
-        if src.nbytes == 0:
-            return False
-        if not is_device(src):
-            return collective in transport.native_host_collectives
-        return collective in transport.native_collectives and (
-            collective != "reduce_scatter" or src.dtype in transport.native_dtypes
+        offered = transport.native_collectives if is_device(src) else transport.native_host_collectives
+        return (
+            collective in offered
+            and src.nbytes > 0
+            and (collective != "reduce_scatter" or src.dtype in transport.native_dtypes)
         )
 
     def reduce_scatter(self, x: Any, op: str | ReduceOp = "sum", out: np.ndarray | None = None) -> np.ndarray:
