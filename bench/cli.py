@@ -261,19 +261,17 @@ def build_scaling_parser() -> argparse.ArgumentParser:
 def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     """Check the options against each other and the backend; the `SweepSpec` every rank runs."""
     collective = args.collective
+    device = checked_device(args)
     default: tuple[str, ...]
     if collective == "allreduce":
         default = (*default_allreduce(), NATIVE) if args.backend in _NATIVE_BACKENDS else default_allreduce()
         known = {"auto", NATIVE, *allreduce_algorithms()}
     else:  # the engine's own where the Communicator takes it: NCCL's for device buffers (a
         # reduce-scatter of uneven rows the ring), MPI's all-gather for host buffers
-        engine_runs_it = args.backend == "nccl" or (
-            args.backend == "mpi" and collective == "allgather" and args.device == "cpu"
-        )
-        default = (NATIVE if engine_runs_it else FIXED_ALGORITHM[collective],)
+        mpi_gathers = args.backend == "mpi" and collective == "allgather" and device == "cpu"
+        default = (NATIVE if args.backend == "nccl" or mpi_gathers else FIXED_ALGORITHM[collective],)
         known = set(default)
-    check_device(args)
-    if args.device == "cpu" and raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):
+    if device == "cpu" and raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):
         default = (*default, RAW)
         known.add(RAW)
     algorithms = asked_algorithms(args, ranks, known) or default
@@ -312,21 +310,22 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         root=args.root,
         warmup=args.warmup,
         iterations=args.iters,
-        device=args.device,
+        device=device,
     )
 
 
-def check_device(args: argparse.Namespace) -> None:
-    """A clear UsageError where `--device cuda` cannot run: the backend, or no CuPy or GPU here."""
-    if args.backend == "nccl":
-        args.device = "cuda"
-    if args.device == "cpu":
-        return
+def checked_device(args: argparse.Namespace) -> str:
+    """Where the sweep's buffers live: `--device`, or "cuda" on NCCL; a clear UsageError where
+    that cannot run (the backend, or no CuPy or GPU here)."""
+    device = "cuda" if args.backend == "nccl" else args.device
+    if device == "cpu":
+        return device
     if args.backend == "simulated":
         raise UsageError("--device cuda measures real buffers; the simulated backend has none")
     reason = gpu_unavailable_reason()
     if reason is not None:
         raise UsageError(f"--device cuda: {reason}")
+    return device
 
 
 def asked_algorithms(args: argparse.Namespace, ranks: int, known: set[str]) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from .cli import (
     asked_algorithms,
     build_parser,
     build_scaling_parser,
-    check_device,
+    checked_device,
     ranks_per_node,
     size_range,
     sweep_spec,
@@ -142,7 +142,7 @@ def simulated_command(args: argparse.Namespace) -> int:
 
     if args.collective != "allreduce":
         raise UsageError("--backend simulated compares all-reduce algorithms only")
-    check_device(args)
+    checked_device(args)
     if args.grid:
         print(
             f"# the selector's validation grid: sizes {GRID_SIZES[0]} .. {GRID_SIZES[-1]} bytes (x4), every "
