@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator, MismatchError, Work
-from collectives.arguments import flat_view
+from collectives.arguments import copy_back, flat_view, output_buffers
 from collectives.core.arrays import is_device
 from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction, combine, finalize
 from collectives.ps_tasks import job_for
@@ -78,8 +78,8 @@ _DIGEST_WORDS = 4
 _STATE, _FRESH, _KIND, _DTYPE, _COUNT, _OP, _ALGORITHM, _DIGEST = 0, 1, 2, 3, 4, 5, 6, 7
 _RECORD_WORDS = _DIGEST + _DIGEST_WORDS
 """An announcement: state, fresh (a joined rank's first announcement), kind, dtype, count (of
-elements; of buckets for a step), op, algorithm, digest; int64 words. Then room for data
-(`_carried_words`)."""
+elements; of buckets for a step), op, algorithm, digest; int64 words. Then room for the data of a
+small all-reduce (`_new_record`)."""
 _CARRIED_BYTES, _CARRIED_TOTAL_BYTES = 4096, 64 << 10
 """An announcement carries at most this much of a small all-reduce's data, and at most this much
 over all ranks (so a large world carries less per rank)."""
@@ -146,26 +146,18 @@ def announced_allreduce(
     record = _new_record(comm)
     record[_STATE], record[_KIND] = _ACTIVE, _ALLREDUCE
     record[_ROW] = _allreduce_row(comm, flat, op, algorithm)
-    carried = algorithm == "auto" and not is_device(flat) and flat.nbytes <= 8 * (record.size - _RECORD_WORDS)
-    if carried:
-        record[_KIND] = _CARRIED
-        record[_RECORD_WORDS:].view(np.uint8)[: flat.nbytes] = flat.view(np.uint8)
-    _settle_promise(comm)
-    records = _announce_agreed(comm, record)
-    if not carried:
+    if algorithm != "auto" or is_device(flat) or flat.nbytes > 8 * (record.size - _RECORD_WORDS):
+        _settle_promise(comm)
+        _announce_agreed(comm, record)
         reduced = comm.allreduce(flat, op, algorithm, None if out is None else out.reshape(-1))
         return reduced.reshape(np.shape(array)) if out is None else out
-    if out is None:
-        result = np.empty(np.shape(array), flat.dtype)
-        _reduce_carried(records, ReduceOp.parse(op), comm.size, result.reshape(-1))
-        return result
-    if out.flags.c_contiguous:
-        _reduce_carried(records, ReduceOp.parse(op), comm.size, out.reshape(-1))
-        return out
-    reduced = np.empty(flat.size, flat.dtype)
-    _reduce_carried(records, ReduceOp.parse(op), comm.size, reduced)
-    out[...] = reduced.reshape(np.shape(out))
-    return out
+    result, target = output_buffers(out, np.shape(array), flat.dtype, flat)  # checked before anything is sent
+    record[_KIND] = _CARRIED
+    record[_RECORD_WORDS:].view(np.uint8)[: flat.nbytes] = flat.view(np.uint8)
+    _settle_promise(comm)
+    records = _announce_agreed(comm, record)
+    _reduce_carried(records, ReduceOp.parse(op), comm.size, target)
+    return copy_back(result, target)
 
 
 def _reduce_carried(records: np.ndarray, op: ReduceOp, size: int, out: np.ndarray) -> None:

@@ -130,6 +130,8 @@ def test_announced_allreduce_checks_its_arguments_before_sending_anything() -> N
             announced_allreduce(comm, np.ones(2, np.int64), "mean")
         with pytest.raises(ValueError, match="unknown all-reduce algorithm 'bogus'"):
             announced_allreduce(comm, np.ones(2), algorithm="bogus")
+        with pytest.raises(ValueError, match="out must have shape"):
+            announced_allreduce(comm, np.ones(2), out=np.empty(3))
         np.testing.assert_array_equal(announced_allreduce(comm, np.ones((2, 2)), algorithm="ring"), np.full((2, 2), 2))
 
     run_threads(body, 2, timeout=20)
