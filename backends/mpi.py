@@ -73,7 +73,8 @@ float16 is a TypeError), polled like any request, so it honours timeouts and abo
 instead of hanging in a blocking call when a peer never joins. Measured with 2 ranks on one node
 (MPICH 5.0): as fast as the blocking `MPI_Allreduce` at 4 KiB to 64 MiB. It starts only once
 the header agreement has finished: MPI given buffers of different sizes on different ranks may
-fail in any way.
+fail in any way. All-gathers of host buffers are `MPI_Iallgather` in the same way
+(`native_host_collectives`: faster than the library's ring at every size measured).
 
 Header agreement (`agrees_natively`). Every collective's header agreement is one `MPI_Iallreduce`
 of a digest of its header (`collectives.core.group.EngineAgreement`), which costs far less Python
@@ -469,9 +470,9 @@ class _Failed:
 
 
 class _Native:
-    """A pending engine collective (MPI_Iallreduce, MPI_Iallgather, MPI_Ibcast), polled like any
-    other request; `tag` is the first tag of the collective it belongs to, so that an abort of a
-    later collective spares it."""
+    """A pending engine collective (MPI_Iallreduce, MPI_Iallgather), polled like any other
+    request; `tag` is the first tag of the collective it belongs to, so that an abort of a later
+    collective spares it."""
 
     __slots__ = ("_t", "_request", "_done", "_error", "_refs", "tag", "kind")
 
