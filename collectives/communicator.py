@@ -264,7 +264,8 @@ class Communicator:
             drive(group, steps)
             return copy_back(result, target)
 
-        return self._planned(header, run, src)
+        # every rank receives every other rank's buffer, header and all (see Group.with_agreement)
+        return self._planned(header, run, src, agreement_implied=chosen == "direct" and src.nbytes > 0)
 
     def _native_reduction(
         self,
@@ -454,7 +455,7 @@ class Communicator:
     def _barrier_plan(self) -> _Plan:
         if self.size == 1:
             return _Local(None)
-        return b"barrier", _run_barrier
+        return b"barrier", _run_barrier, False
 
     def alltoall(self, x: Any, send_counts: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Send rows of `x` to every rank and receive theirs (pairwise exchange).
@@ -513,15 +514,15 @@ class Communicator:
         """Run a planned collective now and return its result (the blocking form)."""
         if isinstance(plan, _Local):
             return plan.result
-        header, run = plan
-        return self._sequencer.call(header, run)
+        header, run, agreement_implied = plan
+        return self._sequencer.call(header, run, agreement_implied=agreement_implied)
 
     def _start(self, plan: _Plan) -> Work:
         """Queue a planned collective; its `Work` gets the result (the async form)."""
         if isinstance(plan, _Local):
             return completed_work(plan.result)
-        header, run = plan
-        return self._sequencer.submit(header, run)
+        header, run, agreement_implied = plan
+        return self._sequencer.submit(header, run, agreement_implied=agreement_implied)
 
     # -- duplication ------------------------------------------------------------------------------
 
@@ -640,8 +641,11 @@ class Communicator:
             return algorithm
         return self._selector.choose(nbytes, native_fits=dtype in self._transport.native_dtypes)
 
-    def _planned(self, header: bytes, run: Callable[[Group], Any], src: Any) -> _Plan:
+    def _planned(
+        self, header: bytes, run: Callable[[Group], Any], src: Any, *, agreement_implied: bool = False
+    ) -> _Plan:
         """The plan of a collective of `src`; for a device array, `run` ordered on the GPU.
+        `agreement_implied`: its messages prove the header agreement (`Group.with_agreement`).
 
         The collective may run on the communication thread, whose current stream is not the
         caller's: it first waits for an event recorded now on the caller's stream (the kernels that
@@ -655,7 +659,7 @@ class Communicator:
         if self._transport.routes_by_buffer:
             header += b" buffer=device" if is_device(src) else b" buffer=host"
         if not is_device(src):
-            return header, run
+            return header, run, agreement_implied
         gpu = runtime()
         ready = gpu.ready(src)
 
@@ -665,7 +669,7 @@ class Communicator:
             gpu.synchronize(src)
             return result
 
-        return header, run_on_device
+        return header, run_on_device, agreement_implied
 
     def _reusable_work_space(self, like: Any) -> Any:
         """Uninitialised scratch of `like`'s size and dtype, kept for the next collective.
@@ -699,9 +703,10 @@ class _Local:
         self.result = result
 
 
-_Plan = tuple[bytes, Callable[[Group], Any]] | _Local
-"""A collective ready to run: the header its messages carry and the function that runs it on its
-group; or, with nothing to exchange, its result."""
+_Plan = tuple[bytes, Callable[[Group], Any], bool] | _Local
+"""A collective ready to run: the header its messages carry, the function that runs it on its
+group and whether its messages prove the header agreement; or, with nothing to exchange, its
+result."""
 
 
 def _run_barrier(group: Group) -> None:

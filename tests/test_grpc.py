@@ -427,6 +427,49 @@ def test_communicator_over_in_process_transports(world: list[Any], fused: bool) 
 
 
 @requires_grpc
+@pytest.mark.parametrize("world", [{"size": 3}], indirect=True)
+@pytest.mark.parametrize("other", ["ring", "tree", "barrier", "broadcast", "allgather", "direct of 5"])
+def test_direct_allreduce_without_its_own_agreement_still_fails_every_rank_on_a_mismatch(
+    world: list[Any], other: str
+) -> None:
+    """On gRPC a direct all-reduce runs no header agreement of its own: its messages, every rank's to
+    every other, carry the header. A rank calling anything else still gets, or sends, a message
+    whose header differs, so every rank raises MismatchError within seconds instead of waiting for
+    the timeout."""
+    from collectives import Communicator, MismatchError
+
+    outcomes: list[Any] = [None] * 3
+
+    def rank_main(transport: Any) -> None:
+        comm = Communicator(transport, timeout=30)
+        x = np.ones(4, np.float32)
+        calls = {
+            "ring": lambda: comm.allreduce(x, algorithm="ring"),
+            "tree": lambda: comm.allreduce(x, algorithm="tree"),
+            "barrier": comm.barrier,
+            "broadcast": lambda: comm.broadcast(x, root=2),
+            "allgather": lambda: comm.allgather(x),
+            "direct of 5": lambda: comm.allreduce(np.ones(5, np.float32), algorithm="direct"),
+        }
+        try:
+            if transport.rank == 2:
+                calls[other]()
+            else:
+                comm.allreduce(x, algorithm="direct")
+        except MismatchError as error:
+            outcomes[transport.rank] = error
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=rank_main, args=(t,)) for t in world]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(isinstance(outcome, MismatchError) for outcome in outcomes), outcomes
+    assert time.monotonic() - start < 10, f"took {time.monotonic() - start:.1f} s of a 30 s timeout"
+
+
+@requires_grpc
 def test_failing_reduction_fails_only_the_receive(world: list[Any]) -> None:
     a, b = world
 

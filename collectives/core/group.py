@@ -120,20 +120,31 @@ class Group:
         members = tuple(self.members[i] for i in indices)
         return self._derive(members, tags, self.agreement)
 
-    def with_agreement(self) -> Group:
+    def with_agreement(self, *, implied: bool = False) -> Group:
         """This group (the whole world), with its header agreement under way on the first of its
         tags, and the rest of its tags left to the collective's algorithm: an `EngineAgreement`
-        where the transport `agrees_natively`, else a `HeaderAgreement`."""
+        where the transport `agrees_natively`, else a `HeaderAgreement`.
+
+        `implied`: the collective's own messages prove the agreement, because every member
+        receives a message carrying the header from every other member before it returns (the
+        direct all-reduce of a non-empty buffer). The point-to-point `HeaderAgreement` is then left
+        out, which halves the messages of a small collective; a rank that called something else
+        still fails on the first message it gets from this one, or this one on its. An engine
+        agreement stays: it is one engine collective that every rank must call, in the same order.
+        """
         if self.size == 1:
             return self
         tags = self.tags
+        algorithm_tags = TagRange(tags.owner, tags.start + 1, tags.stop)
+        if implied and not self.transport.agrees_natively:
+            return self._derive(self.members, algorithm_tags, None)
         plain = self if self.agreement is None else self.without_agreement()
         agreement: Agreement
         if self.transport.agrees_natively:
             agreement = EngineAgreement(plain, tags.start)
         else:
             agreement = HeaderAgreement(plain, tags.start)
-        return self._derive(self.members, TagRange(tags.owner, tags.start + 1, tags.stop), agreement)
+        return self._derive(self.members, algorithm_tags, agreement)
 
     def without_agreement(self) -> Group:
         """This group, waiting plainly (used by the agreement itself)."""
