@@ -402,7 +402,9 @@ class Communicator:
             drive(group, ring_allgather_steps(group, target, bounds, segment_bytes=self.segment_bytes))
             return copy_back(result, target)
 
-        return self._planned(collective_header("allgather", src, algorithm="ring"), run, src)
+        # with 2 ranks each receives the other's block, header and all (see Group.with_agreement)
+        implied = self.size == 2 and src.nbytes > 0
+        return self._planned(collective_header("allgather", src, algorithm="ring"), run, src, agreement_implied=implied)
 
     def broadcast(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Return rank `root`'s `x` on every rank (pipelined binary tree; NCCL's own for device

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -426,36 +426,31 @@ def test_communicator_over_in_process_transports(world: list[Any], fused: bool) 
             np.testing.assert_array_equal(result, expected)
 
 
-@requires_grpc
-@pytest.mark.parametrize("world", [{"size": 3}], indirect=True)
-@pytest.mark.parametrize("other", ["ring", "tree", "barrier", "broadcast", "allgather", "direct of 5"])
-def test_direct_allreduce_without_its_own_agreement_still_fails_every_rank_on_a_mismatch(
-    world: list[Any], other: str
-) -> None:
-    """On gRPC a direct all-reduce runs no header agreement of its own: its messages, every rank's to
-    every other, carry the header. A rank calling anything else still gets, or sends, a message
-    whose header differs, so every rank raises MismatchError within seconds instead of waiting for
-    the timeout."""
+_X = np.ones(4, np.float32)
+_CALLS: dict[str, Callable[[Any], Any]] = {
+    "direct": lambda comm: comm.allreduce(_X, algorithm="direct"),
+    "direct of 5": lambda comm: comm.allreduce(np.ones(5, np.float32), algorithm="direct"),
+    "ring": lambda comm: comm.allreduce(_X, algorithm="ring"),
+    "tree": lambda comm: comm.allreduce(_X, algorithm="tree"),
+    "barrier": lambda comm: comm.barrier(),
+    "broadcast": lambda comm: comm.broadcast(_X, root=comm.size - 1),
+    "allgather": lambda comm: comm.allgather(_X),
+    "allgather of 5": lambda comm: comm.allgather(np.ones(5, np.float32)),
+}
+"""Collectives a rank may call where the others call another, by name."""
+
+
+def _assert_mismatch_on_every_rank(world: list[Any], mine: str, odd: str) -> None:
+    """Every rank but the last calls `mine`, the last `odd`: every rank raises MismatchError, well
+    within the 30 s timeout."""
     from collectives import Communicator, MismatchError
 
-    outcomes: list[Any] = [None] * 3
+    outcomes: list[Any] = [None] * len(world)
 
     def rank_main(transport: Any) -> None:
         comm = Communicator(transport, timeout=30)
-        x = np.ones(4, np.float32)
-        calls = {
-            "ring": lambda: comm.allreduce(x, algorithm="ring"),
-            "tree": lambda: comm.allreduce(x, algorithm="tree"),
-            "barrier": comm.barrier,
-            "broadcast": lambda: comm.broadcast(x, root=2),
-            "allgather": lambda: comm.allgather(x),
-            "direct of 5": lambda: comm.allreduce(np.ones(5, np.float32), algorithm="direct"),
-        }
         try:
-            if transport.rank == 2:
-                calls[other]()
-            else:
-                comm.allreduce(x, algorithm="direct")
+            _CALLS[odd if transport.rank == len(world) - 1 else mine](comm)
         except MismatchError as error:
             outcomes[transport.rank] = error
 
@@ -467,6 +462,29 @@ def test_direct_allreduce_without_its_own_agreement_still_fails_every_rank_on_a_
         thread.join(60)
     assert all(isinstance(outcome, MismatchError) for outcome in outcomes), outcomes
     assert time.monotonic() - start < 10, f"took {time.monotonic() - start:.1f} s of a 30 s timeout"
+
+
+@requires_grpc
+@pytest.mark.parametrize("world", [{"size": 3}], indirect=True)
+@pytest.mark.parametrize("odd", ["ring", "tree", "barrier", "broadcast", "allgather", "direct of 5"])
+def test_direct_allreduce_without_its_own_agreement_still_fails_every_rank_on_a_mismatch(
+    world: list[Any], odd: str
+) -> None:
+    """On gRPC a direct all-reduce runs no header agreement of its own: its messages, every rank's to
+    every other, carry the header. A rank calling anything else still gets, or sends, a message
+    whose header differs, so every rank raises MismatchError within seconds instead of waiting for
+    the timeout."""
+    _assert_mismatch_on_every_rank(world, "direct", odd)
+
+
+@requires_grpc
+@pytest.mark.parametrize("odd", ["direct", "ring", "barrier", "broadcast", "allgather of 5"])
+def test_two_rank_allgather_without_its_own_agreement_still_fails_both_ranks_on_a_mismatch(
+    world: list[Any], odd: str
+) -> None:
+    """Between 2 ranks an all-gather runs no header agreement of its own either: each rank receives
+    the other's block with its header."""
+    _assert_mismatch_on_every_rank(world, "allgather", odd)
 
 
 @requires_grpc
