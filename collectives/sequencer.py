@@ -195,7 +195,7 @@ class Sequencer:
             self._caller = None
 
     def _numbered(
-        self, header: bytes, run: Callable[[Group], Any], work: Work | None, agreement_implied: bool = False
+        self, header: bytes, run: Callable[[Group], Any], work: Work | None, agreement_implied: bool
     ) -> _Task:
         """The next collective in the call order (lock held), unless no call may be made now."""
         if (refusal := self._refusal()) is not None:

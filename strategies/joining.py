@@ -62,7 +62,7 @@ import numpy as np
 from collectives import Communicator, MismatchError, Work
 from collectives.arguments import copy_back, flat_view, output_buffers
 from collectives.core.arrays import is_device
-from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction, combine, finalize
+from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction, combine_in_order, finalize
 from collectives.ps_tasks import job_for
 
 from ._tensorflow import communicator
@@ -165,9 +165,7 @@ def _reduce_carried(records: np.ndarray, op: ReduceOp, size: int, out: np.ndarra
     order (mean divides by `size`, as every all-reduce here does)."""
     training = np.flatnonzero(records[:, _STATE] == _ACTIVE)
     data = [records[rank, _RECORD_WORDS:].view(np.uint8)[: out.nbytes].view(out.dtype) for rank in training]
-    out[...] = data[0]
-    for contribution in data[1:]:
-        combine(op, out, contribution, out)
+    combine_in_order(op, data, out)
     finalize(op, out, size)
 
 

@@ -34,7 +34,7 @@ from collectives.algorithms.registry import AllReduceAlgorithm, ignoring_nodes, 
 from collectives.core.arrays import empty
 from collectives.core.group import Group
 from collectives.core.layout import segment_items, segments, stream_pieces
-from collectives.core.ops import ReduceOp, combine, finalize
+from collectives.core.ops import ReduceOp, combine_in_order, finalize
 from collectives.core.schedule import Steps, wait_all
 from collectives.core.topology import LinkCosts, Topology
 
@@ -59,9 +59,7 @@ def direct_allreduce_steps(
         yield from wait_all(receives)
         yield from wait_all(sends)
         out = dst[lo:hi]
-        combine(op, pieces[0], pieces[1], out)
-        for member in range(2, size):
-            combine(op, out, pieces[member], out)
+        combine_in_order(op, pieces, out)
         finalize(op, out, size)
 
 

@@ -128,10 +128,10 @@ class Group:
         `implied`: the collective's own messages prove the agreement, because every member
         receives a message carrying the header from every other member before it returns (the
         direct all-reduce of a non-empty buffer; a ring all-gather of one between 2 ranks). The
-        point-to-point `HeaderAgreement` is then left
-        out, which halves the messages of a small collective; a rank that called something else
-        still fails on the first message it gets from this one, or this one on its. An engine
-        agreement stays: it is one engine collective that every rank must call, in the same order.
+        point-to-point `HeaderAgreement` is then left out, which halves the messages of a small
+        collective; a rank that called something else still fails on the first message it gets
+        from this one, or this one on its. An engine agreement stays: it is one engine collective
+        that every rank must call, in the same order.
         """
         if self.size == 1:
             return self

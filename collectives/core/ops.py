@@ -1,7 +1,8 @@
 """Reduction operators and the kernels that apply them to buffers.
 
-Algorithms only ever call `combine(op, a, b, out)` (out = a op b, elementwise, `out` may alias `a`)
-and `finalize(op, buf, contributors)` (the last step of `mean`). The kernels are numpy ufuncs,
+Algorithms only ever call `combine(op, a, b, out)` (out = a op b, elementwise, `out` may alias `a`),
+`combine_in_order` (a fold of several buffers in a fixed order) and `finalize(op, buf, contributors)`
+(the last step of `mean`). The kernels are numpy ufuncs,
 which are already as fast as memory allows for float32/float64/int32/int64; float16 goes through
 numba kernels (`_half`) because numpy's float16 arithmetic runs at a few percent of memory speed.
 Float16 is accumulated in float32 and rounded once per step, like NCCL does.
@@ -89,6 +90,17 @@ def combine(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
         from collectives.core import _half  # numba is loaded on the first float16 reduction, not at import
 
         _half.half_reduce(_HALF_KERNEL_NAMES[op], a, b, out)
+
+
+def combine_in_order(op: ReduceOp, rows: Any, out: Any) -> None:
+    """out = rows[0] op rows[1] op ... op rows[-1], folded left to right (one row is copied): every
+    rank that folds the same rows in the same order gets the same bits."""
+    if len(rows) == 1:
+        out[...] = rows[0]
+        return
+    combine(op, rows[0], rows[1], out)
+    for row in rows[2:]:
+        combine(op, out, row, out)
 
 
 def finalize(op: ReduceOp, buf: Any, contributors: int) -> None:
