@@ -678,7 +678,10 @@ class NcclTransport(Transport):
             receive.issued(engine, engine.recv(receive.buf, 0, (receive.ready,)) if nbytes else None)
             return
         scratch = self._nccl.scratch(nbytes, self.device_id)
-        arrived = _Arrived(header, nbytes, scratch, engine.recv(scratch, 0, ()) if nbytes else None, engine)
+        # after the work still queued on the stream that freed this memory (the allocator hands it
+        # out again at once, to be used on that stream only; NCCL writes it on its own)
+        ready = runtime().ready(scratch)
+        arrived = _Arrived(header, nbytes, scratch, engine.recv(scratch, 0, (ready,)) if nbytes else None, engine)
         if receive is not None and mismatch is not None:
             receive.fail(mismatch)  # the message is still taken, so that the pair stays in step
             return
@@ -765,7 +768,7 @@ class NcclTransport(Transport):
             gpu = runtime()
             on_device = [buf if is_device(buf) else self.measurement_buffer(buf.size, buf.dtype) for buf in (src, dst)]
             if not is_device(src):
-                gpu.copy(on_device[0], src, ())
+                gpu.copy(on_device[0], src, (gpu.ready(on_device[0]),))
             self.native_allreduce(on_device[0], on_device[1], op, timeout=timeout, tag=tag)
             if not is_device(dst):
                 gpu.copy(dst, on_device[1], ())

@@ -247,7 +247,7 @@ class StagedTransport(Transport):
         host_dst = dst if staged_dst is None else _typed(staged_dst, dst)
         self.inner.native_allreduce(host_src, host_dst, op, timeout=timeout, tag=tag)
         if staged_dst is not None:
-            runtime().copy(dst, host_dst, ())
+            runtime().copy(dst, host_dst, (runtime().ready(dst),))
             self.pool.give(staged_dst)
         if staged_src is not None:
             self.pool.give(staged_src)

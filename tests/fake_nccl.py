@@ -4,8 +4,9 @@ It keeps what the transport relies on: a communicator exists once all its ranks 
 (`connect` blocks until then); between two ranks of one communicator, sends and receives pair in
 the order they are issued, with no tags, and neither completes before its partner is posted; a
 collective completes when every rank has called it, the same result on every rank; `abort`
-makes every later query of the communicator raise, as `check_async_error` does. Buffers are the
-fake device arrays of `fake_gpu` (the fake runtime must be installed too).
+makes every later query of the communicator raise, as `check_async_error` does. Every operation
+must wait for at least one event (`_check_ordered`). Buffers are the fake device arrays of
+`fake_gpu` (the fake runtime must be installed too).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ class FakeNcclEvent:
 
     def __init__(self) -> None:
         self.completed = threading.Event()
+
+
+def _check_ordered(what: str, after: Sequence[Any]) -> None:
+    """NCCL runs on a stream of its own, so an operation must wait for an event recorded where its
+    buffers were last used or allocated (the allocator hands freed memory out again at once, for
+    use on the freeing stream only); one that waits for nothing races with that stream."""
+    if not any(event is not None for event in after):
+        raise AssertionError(f"fake NCCL: {what} issued without waiting for its buffers' stream")
 
 
 class _FakeWorld:
@@ -55,9 +64,11 @@ class FakeEngine:
         self._calls = 0
 
     def send(self, buf: Any, peer: int, after: Sequence[Any]) -> FakeNcclEvent:
+        _check_ordered("send", after)
         return self._pair(self.world.sends, self.world.receives, (self.rank, peer), buf, sending=True)
 
     def recv(self, buf: Any, peer: int, after: Sequence[Any]) -> FakeNcclEvent:
+        _check_ordered("recv", after)
         return self._pair(self.world.receives, self.world.sends, (peer, self.rank), buf, sending=False)
 
     def _pair(self, mine: dict, theirs: dict, key: tuple[int, int], buf: Any, *, sending: bool) -> FakeNcclEvent:
@@ -79,6 +90,7 @@ class FakeEngine:
         def finish(inputs: list[np.ndarray], rank: int) -> np.ndarray:
             return functools.reduce(_UFUNCS[op], inputs)
 
+        _check_ordered("allreduce", after)
         return self._collective("allreduce", src, dst, finish)
 
     def reduce_scatter(self, src: Any, dst: Any, op: str, after: Sequence[Any]) -> FakeNcclEvent:
@@ -86,15 +98,18 @@ class FakeEngine:
             block = dst.size
             return functools.reduce(_UFUNCS[op], inputs)[rank * block : (rank + 1) * block]
 
+        _check_ordered("reduce_scatter", after)
         return self._collective("reduce_scatter", src, dst, finish)
 
     def allgather(self, src: Any, dst: Any, after: Sequence[Any]) -> FakeNcclEvent:
         def finish(inputs: list[np.ndarray], rank: int) -> np.ndarray:
             return np.concatenate([x.view(np.uint8) for x in inputs])
 
+        _check_ordered("allgather", after)
         return self._collective("allgather", src, dst, finish)
 
     def broadcast(self, buf: Any, root: int, after: Sequence[Any]) -> FakeNcclEvent:
+        _check_ordered("broadcast", after)
         return self._collective("broadcast", buf, buf, lambda inputs, rank: inputs[root])
 
     def _collective(self, name: str, src: Any, dst: Any, finish: Any) -> FakeNcclEvent:

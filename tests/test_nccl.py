@@ -409,10 +409,10 @@ def test_init_with_the_nccl_backend(fake_nccl: FakeNccl, monkeypatch: pytest.Mon
         comm.close()
 
 
-@pytest.mark.usefixtures("gpu")
-def test_host_buffers_reach_the_native_allreduce_through_the_device(fake_nccl: FakeNccl) -> None:
+def test_host_buffers_reach_the_native_allreduce_through_the_device(fake_nccl: FakeNccl, gpu: FakeRuntime) -> None:
     """`auto` may pick native for numpy input too, and tuning measures with the transport's own
-    buffers (device memory): both work."""
+    buffers (device memory): both work. The copy into the fresh device buffer waits for the stream
+    that may still use its memory."""
 
     def body(comm: Communicator) -> Any:
         assert isinstance(comm._transport.measurement_buffer(3, np.float32), FakeDeviceArray)
@@ -424,6 +424,8 @@ def test_host_buffers_reach_the_native_allreduce_through_the_device(fake_nccl: F
     for result in run_nccl(body, 2, fake_nccl):
         assert type(result) is np.ndarray
         np.testing.assert_array_equal(result, np.full(4, 3.0))
+    to_device = [entry for entry in gpu.entries("copy") if entry[1] == "host->device"]
+    assert to_device and all(after for *_, after in to_device)
 
 
 @pytest.mark.usefixtures("gpu")

@@ -215,6 +215,7 @@ def test_native_allreduce_stages_both_buffers(gpu: FakeRuntime) -> None:
     staged.native_allreduce(data, data, "sum")
     np.testing.assert_array_equal(data, np.arange(4.0) * 2)
     assert [entry[1] for entry in gpu.entries("copy")] == ["device->host", "host->device"]
+    assert all(entry[3] for entry in gpu.entries("copy")), "each copy waits for the caller's stream"
     host = np.arange(4.0)
     staged.native_allreduce(host, host, "sum")  # host buffers: the inner one's, unstaged
     np.testing.assert_array_equal(host, np.arange(4.0) * 2)
