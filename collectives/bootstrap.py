@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from collectives import logs, ps_tasks, timeline
 from collectives.backends.base import Transport, emulated_host
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
-from collectives.core.layout import DEFAULT_SEGMENT_BYTES
+from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES
 from collectives.timeline import ENV_TIMELINE
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ def init(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    device_segment_bytes: int = DEFAULT_DEVICE_SEGMENT_BYTES,
     autotune: str | None = None,
 ) -> Communicator:
     """Create this process's communicator and make it the default one.
@@ -84,7 +85,8 @@ def init(
         backend: "mpi", "grpc", "nccl" or "threads"; None detects it from the environment.
         timeout: seconds each collective may take before `CollectiveTimeoutError` (gRPC also waits
             this long for peers to start).
-        segment_bytes: pipelining granularity of the algorithms.
+        segment_bytes: pipelining granularity of the algorithms for host buffers.
+        device_segment_bytes: the same for GPU buffers (see `Communicator`).
         autotune: "calibrate" (`Communicator.calibrate()`: the cached tuning for this layout, else
             a sub-second timing of every candidate, so that `algorithm="auto"` chooses from
             measurements), "tune" (the full `tune()`, cached) or "off" (the model on default
@@ -103,7 +105,9 @@ def init(
     transport = _make_transport(chosen, timeout)
     logs.configure(transport.rank)
     _emulate_nodes(transport, os.environ)
-    comm = Communicator(transport, timeout=timeout, segment_bytes=segment_bytes)
+    comm = Communicator(
+        transport, timeout=timeout, segment_bytes=segment_bytes, device_segment_bytes=device_segment_bytes
+    )
     servers = _parameter_server_tasks(chosen)
     if servers:
         comm = ps_tasks.start(transport, comm, servers)  # a ps task serves here and exits

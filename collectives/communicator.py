@@ -63,7 +63,7 @@ from collectives.backends.errors import CollectiveTimeoutError
 from collectives.backends.staged import with_host_staging
 from collectives.core.arrays import empty, is_device, may_share_memory
 from collectives.core.group import Group
-from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
+from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, finalize
 from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
@@ -88,7 +88,9 @@ class Communicator:
     Args:
         transport: this rank's endpoint (threads, MPI, gRPC, ...).
         timeout: seconds each collective may take before failing with `CollectiveTimeoutError`.
-        segment_bytes: pipelining granularity of the algorithms.
+        segment_bytes: pipelining granularity of the algorithms for host (numpy) buffers.
+        device_segment_bytes: the same for GPU (CuPy) buffers, coarser by default because every
+            segment costs a kernel launch and a wait (`layout.DEFAULT_DEVICE_SEGMENT_BYTES`).
         autotune: what construction runs, after the ranks have met, so that `algorithm="auto"`
             chooses from measurements: True, the full `tune()` (which reuses a cached tuning file
             when there is one); "calibrate", the quick `calibrate()`; False, nothing (the model on
@@ -103,17 +105,20 @@ class Communicator:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        device_segment_bytes: int = DEFAULT_DEVICE_SEGMENT_BYTES,
         autotune: bool | str = False,
     ) -> None:
         timeout = checked_timeout(timeout)
-        if segment_bytes < 1:
-            raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
+        for name, value in (("segment_bytes", segment_bytes), ("device_segment_bytes", device_segment_bytes)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self._backend = type(transport).__name__
         """The backend's name (tuning cache, messages): the transport's, not its staging's."""
         transport = with_host_staging(transport)
         self._transport = transport
         self._sequencer = Sequencer(transport, timeout)
         self.segment_bytes = int(segment_bytes)
+        self.device_segment_bytes = int(device_segment_bytes)
         self.last_algorithm: str | None = None
         """The algorithm the most recent all-reduce call resolved to (after "auto")."""
         hosts = self._sequencer.run_setup(_SETUP_HEADER, lambda group: _exchange_hosts(group, transport.host))
@@ -257,7 +262,7 @@ class Communicator:
                 self._native_reduction, "all-reduce", self._transport.native_allreduce, flat, target, result, op
             )
             return self._planned(header, run_native, src)
-        nodes, segment_bytes = self.topology.nodes, self.segment_bytes
+        nodes, segment_bytes = self.topology.nodes, self._segment_bytes(src)
 
         def run(group: Group) -> np.ndarray:
             steps = registry.allreduce_steps(chosen, group, nodes, flat, target, op, segment_bytes=segment_bytes)
@@ -353,7 +358,8 @@ class Communicator:
         def run(group: Group) -> np.ndarray:
             work_space = self._reusable_work_space(flat)
             drive(
-                group, ring_reduce_scatter_steps(group, flat, work_space, op, bounds, segment_bytes=self.segment_bytes)
+                group,
+                ring_reduce_scatter_steps(group, flat, work_space, op, bounds, segment_bytes=self._segment_bytes(src)),
             )
             finalize(op, work_space[mine], self.size)
             return copy_back(result, target, work_space[mine])
@@ -399,7 +405,7 @@ class Communicator:
 
         def run(group: Group) -> np.ndarray:
             target[own] = flat
-            drive(group, ring_allgather_steps(group, target, bounds, segment_bytes=self.segment_bytes))
+            drive(group, ring_allgather_steps(group, target, bounds, segment_bytes=self._segment_bytes(src)))
             return copy_back(result, target)
 
         # with 2 ranks each receives the other's block, header and all (see Group.with_agreement)
@@ -440,7 +446,7 @@ class Communicator:
                     ),
                 )
             else:
-                drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self.segment_bytes))
+                drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self._segment_bytes(src)))
             return copy_back(result, target)
 
         header = collective_header("broadcast", src, algorithm=NATIVE if native else "tree", root=root)
@@ -556,7 +562,12 @@ class Communicator:
             return self._transport.dup(key)
 
         transport = self._sequencer.call(b"dup", run)
-        twin = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes)
+        twin = Communicator(
+            transport,
+            timeout=self.timeout,
+            segment_bytes=self.segment_bytes,
+            device_segment_bytes=self.device_segment_bytes,
+        )
         twin._backend = self._backend
         twin._selector = self._selector
         return twin
@@ -628,7 +639,14 @@ class Communicator:
     # -- internals --------------------------------------------------------------------------------
 
     def _new_selector(self, costs: LinkCosts, tuning: Tuning | None = None) -> Selector:
-        return Selector(self.topology, costs, self.segment_bytes, tuning, native=self._transport.has_native_allreduce)
+        """A selector for the buffers the transport is measured with (device memory over NCCL):
+        its link costs and segment size describe the same kind of buffer."""
+        segment_bytes = self._segment_bytes(self._transport.measurement_buffer(0, np.uint8))
+        return Selector(self.topology, costs, segment_bytes, tuning, native=self._transport.has_native_allreduce)
+
+    def _segment_bytes(self, buf: Any) -> int:
+        """The pipelining granularity for `buf`: `device_segment_bytes` for a GPU array."""
+        return self.device_segment_bytes if is_device(buf) else self.segment_bytes
 
     def _choose_allreduce(self, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
         if algorithm != "auto":

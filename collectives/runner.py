@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from collectives.backends.errors import add_note
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
-from collectives.core.layout import DEFAULT_SEGMENT_BYTES
+from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES
 
 T = TypeVar("T")
 
@@ -29,6 +29,7 @@ def run_threads(
     ranks_per_node: int | Sequence[int] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    device_segment_bytes: int = DEFAULT_DEVICE_SEGMENT_BYTES,
     autotune: bool | str = False,
 ) -> list[T]:
     """Run `fn(comm)` on `world_size` thread ranks; return the results in rank order.
@@ -39,7 +40,8 @@ def run_threads(
         ranks_per_node: emulated node layout: None (one node), an int (nodes of that many ranks),
             or a list of node sizes for uneven nodes. Sets each rank's `host`.
         timeout: seconds each collective may take before `CollectiveTimeoutError`.
-        segment_bytes: pipelining granularity passed to every communicator.
+        segment_bytes: pipelining granularity passed to every communicator (host buffers).
+        device_segment_bytes: the same for GPU buffers.
         autotune: passed to every communicator (True, False or "calibrate").
 
     Raises:
@@ -58,7 +60,13 @@ def run_threads(
     def rank_main(rank: int) -> None:
         comm = None
         try:
-            comm = Communicator(fabric.endpoint(rank), timeout=timeout, segment_bytes=segment_bytes, autotune=autotune)
+            comm = Communicator(
+                fabric.endpoint(rank),
+                timeout=timeout,
+                segment_bytes=segment_bytes,
+                device_segment_bytes=device_segment_bytes,
+                autotune=autotune,
+            )
             results[rank] = fn(comm)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
             with failures_lock:

@@ -22,6 +22,7 @@ from collectives.arguments import output_buffers
 from collectives.backends import device
 from collectives.backends.base import check_buffer, check_host_buffer
 from collectives.backends.errors import BackendUnavailableError
+from collectives.backends.threads import ThreadTransport
 from collectives.core import arrays
 from collectives.core.ops import ReduceOp, combine, finalize
 
@@ -250,6 +251,32 @@ def test_device_out_and_in_place() -> None:
             assert same
             assert isinstance(x, FakeDeviceArray)
             np.testing.assert_array_equal(x, np.full(7, 6.0))
+
+
+def test_device_buffers_travel_in_device_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every device segment costs a kernel launch and a wait, so device buffers are cut by
+    `device_segment_bytes` and host buffers by `segment_bytes`, in every segmented collective."""
+    sent: list[tuple[bool, int]] = []
+    isend = ThreadTransport.isend
+
+    def recording(self: ThreadTransport, buf: Any, dst: int, tag: int, header: bytes) -> Any:
+        sent.append((arrays.is_device(buf), buf.nbytes))
+        return isend(self, buf, dst, tag, header)
+
+    monkeypatch.setattr(ThreadTransport, "isend", recording)
+
+    def body(comm: Communicator) -> None:
+        for place in (np.asarray, on_device):
+            x = place(np.ones(256))  # 2 KiB: 1 KiB per rank
+            comm.allreduce(x, algorithm="ring")
+            comm.reduce_scatter(x)
+            comm.allgather(x)
+            comm.broadcast(x)
+
+    with installed():
+        collectives.run_threads(body, 2, segment_bytes=256, device_segment_bytes=512)
+    assert max(nbytes for on_gpu, nbytes in sent if not on_gpu) == 256
+    assert {nbytes for on_gpu, nbytes in sent if on_gpu} == {512}
 
 
 def test_a_device_collective_waits_for_the_callers_stream_and_synchronizes_its_own() -> None:

@@ -117,6 +117,13 @@ def test_device_body_on_threads(name: str, world_size: int, ranks_per_node: Any)
     collectives.run_threads(DEVICE_BODIES[name], world_size, ranks_per_node=ranks_per_node, timeout=120)
 
 
+@pytest.mark.parametrize("name", sorted(DEVICE_BODIES))
+def test_device_body_in_many_segments(name: str) -> None:
+    """The same with 4 KiB device segments: the largest inputs then travel in dozens of pipelined
+    segments, each ordered on the GPU after the last (the default is one segment for them)."""
+    collectives.run_threads(DEVICE_BODIES[name], 3, timeout=120, device_segment_bytes=4096)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "direct", "hierarchical", "parameter_server", "reference"])
 def test_ranks_mixing_host_and_device_buffers_agree_bit_for_bit(cupy: Any, dtype: str, algorithm: str) -> None:

@@ -10,6 +10,13 @@ import math
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
 """Pipelining granularity: small enough to stay in cache, large enough to amortise per-message cost."""
 
+DEFAULT_DEVICE_SEGMENT_BYTES = 16 * 1024 * 1024
+"""Pipelining granularity of GPU buffers. Each segment costs a kernel launch and a wait for its event
+(0.3-0.7 ms of Python and CUDA calls), against microseconds to copy 1 MiB on the device, so device
+buffers are cut coarser. Ring all-reduce of 64 MiB on one H200, 2 thread ranks: 3.3 GB/s busbw with
+1 MiB segments, 18 with 4 MiB, 38 with 16 MiB; 16 MiB still pipelines buffers of several segments
+per rank."""
+
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024
 """Bandwidth-bound all-reduces process their buffer in blocks of this size, one after another, so
 that what one rank writes is still in the shared cache when the next rank reads it (NCCL loops over
