@@ -210,6 +210,9 @@ def measure(
                 start = time.perf_counter()
                 result = buffers.run(algorithm, placement)
                 times[algorithm, placement].append(time.perf_counter() - start)
+                # no rank checks its result while another is still timed: thread ranks share the
+                # GIL, and a check holding it (a device-to-host copy) stalls the slower rank
+                comm.barrier()
                 wrong[algorithm, placement] += buffers.wrong(result)
             comm.barrier()
             start = time.perf_counter()

@@ -13,12 +13,14 @@ import json
 import pickle
 import re
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from collectives import BackendUnavailableError, Communicator, allreduce_algorithms
-from collectives.bench import cli
+from collectives.bench import cli, measure
 from collectives.bench.commands import main
 from collectives.bench.measure import IN_PLACE, OUT_OF_PLACE, bus_factor
 from collectives.bench.output import read_csv, read_json
@@ -176,6 +178,38 @@ def test_wrong_results_are_counted_per_algorithm_and_placement(monkeypatch, tmp_
     assert wrong[("tree", OUT_OF_PLACE)] == wrong[("tree", IN_PLACE)] == iterations
     assert wrong[("ring", OUT_OF_PLACE)] == wrong[("ring", IN_PLACE)] == 0
     assert "wrong elements" in capsys.readouterr().err
+
+
+def test_no_rank_checks_its_result_while_another_is_timed(monkeypatch) -> None:
+    """Thread ranks share the GIL: a rank checking its result (untimed) while another is still in
+    its timed call would stall it, so every check waits until every rank has finished the call."""
+    real = Communicator.allreduce
+    in_call = []
+    lock = threading.Lock()
+    checked_during_a_call = []
+
+    def slow_on_rank_1(self, x, op="sum", algorithm="auto", out=None):
+        with lock:
+            in_call.append(self.rank)
+        if self.rank == 1:
+            time.sleep(0.02)
+        try:
+            return real(self, x, op, algorithm, out)
+        finally:
+            with lock:
+                in_call.remove(self.rank)
+
+    real_wrong = measure._Buffers.wrong
+
+    def wrong(self, result):
+        with lock:
+            checked_during_a_call.append(bool(in_call))
+        return real_wrong(self, result)
+
+    monkeypatch.setattr(Communicator, "allreduce", slow_on_rank_1)
+    monkeypatch.setattr(measure._Buffers, "wrong", wrong)
+    assert main([*QUICK, "-n", "2", "-i", "2", "-a", "ring"]) == 0
+    assert checked_during_a_call and not any(checked_during_a_call)
 
 
 # -- outputs ----------------------------------------------------------------------------------------
