@@ -85,9 +85,15 @@ def as_operand(tensor: Any) -> Any:
     """What a collective takes for an eager tensor: a GPU tensor's memory as a CuPy array
     (DLPack, no copy) where CuPy is installed, else `as_array` (TensorFlow copies a GPU tensor to
     the host)."""
-    if "GPU" in getattr(tensor, "device", "") and importlib.util.find_spec("cupy") is not None:
+    if on_gpu(tensor):
         return runtime().module.from_dlpack(tensorflow().experimental.dlpack.to_dlpack(tensor))
     return as_array(tensor)
+
+
+def on_gpu(tensor: Any) -> bool:
+    """Whether `as_operand` gives `tensor`'s memory as a CuPy array: an eager GPU tensor, with CuPy
+    installed."""
+    return "GPU" in getattr(tensor, "device", "") and importlib.util.find_spec("cupy") is not None
 
 
 def output_like(array: Any, shape: tuple[int, ...] | None = None, dtype: Any = None) -> Any:

@@ -33,7 +33,7 @@ import numpy as np
 from collectives import Communicator
 from collectives.timeline import Timeline
 
-from ._tensorflow import as_array, as_tensor, communicator, tensorflow
+from ._tensorflow import as_array, as_operand, as_tensor, communicator, on_gpu, tensorflow
 from .buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from .compression import Compression, Compressor
 from .exchange import BucketExchange
@@ -150,7 +150,7 @@ class GradientAggregator:
                 if variable in handed_over:
                     _check_handed_over(handed_over[variable], gradient, entries[variable])
                 else:
-                    exchange.deposit(variable, as_array(gradient))
+                    exchange.deposit(variable, as_operand(gradient))
         dense = exchange.collect_all()
         self.steps += 1
         self.last_exchange = exchange
@@ -247,12 +247,16 @@ class GradientAggregator:
         return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
 
     def _exchange(self, tf, gradients, kinds) -> BucketExchange:
-        """The (cached) exchange for this layout of gradients: made once, reused every step."""
+        """The (cached) exchange for this layout of gradients: made once, reused every step. Eager
+        gradients on a GPU get buckets on that GPU (`BucketExchange`'s `like`)."""
         specs = [
             (tuple(g.shape), tf.as_dtype(g.dtype).as_numpy_dtype) if k == DENSE else None
             for g, k in zip(gradients, kinds)
         ]
+        dense = [g for g, k in zip(gradients, kinds) if k == DENSE]
+        device = dense[0] if dense and tf.executing_eagerly() and on_gpu(dense[0]) else None
         key = tuple((spec[0], np.dtype(spec[1]).str) if spec else kind for spec, kind in zip(specs, kinds))
+        key += (device is not None,)
         with self._lock:
             exchange = self._exchanges.get(key)
             if exchange is None:
@@ -268,6 +272,7 @@ class GradientAggregator:
                     compressor=self.compressor,
                     timeline=self.timeline,
                     algorithm=self.algorithm,
+                    like=None if device is None else as_operand(device),
                 )
                 self._exchanges[key] = exchange
         return exchange

@@ -15,7 +15,12 @@ Where the all-reduces run: on the communicator, with the algorithm asked for; or
 job with ``ps`` tasks, on the servers when the algorithm is "auto" or "parameter_server"
 (`collectives.ps_tasks.job_for`), the communicator's ranks being the workers.
 
-This module knows nothing of TensorFlow: it sees numpy arrays, so the same code serves eager
+Where the buckets live: beside the gradients. For a model on a GPU (eager gradients become CuPy
+views through DLPack) the buckets are device memory, so they travel through NCCL where the backend
+is NCCL (staged through pinned memory on MPI and gRPC) and the results go back to TensorFlow
+without touching the host; otherwise, and on the ps tasks' path, host memory.
+
+This module knows nothing of TensorFlow: it sees numpy or CuPy arrays, so the same code serves eager
 gradient hooks and the numpy functions of a `tf.function` graph.
 """
 
@@ -24,14 +29,17 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from collectives import Communicator, Work
+from collectives.backends.device import runtime
+from collectives.core.arrays import array_module, is_device
 from collectives.ps_tasks import job_for
 from collectives.timeline import COMMUNICATION, Timeline
 
-from ._tensorflow import aligned_empty
+from ._tensorflow import output_like
 from .buckets import Bucket
 from .compression import Compressor
 from .joining import AnnouncedSteps
@@ -41,6 +49,7 @@ class BucketExchange:
     """The buckets of one gradient layout; reused step after step (buffers are allocated once).
 
     `algorithm` is the all-reduce algorithm of every bucket ("auto", or a name of `comm.algorithms`).
+    `like`: a gradient as it will be deposited; a device array puts the buckets on its device.
     """
 
     def __init__(
@@ -52,6 +61,7 @@ class BucketExchange:
         compressor: Compressor,
         timeline: Timeline | None = None,
         algorithm: str = "auto",
+        like: Any = None,
     ) -> None:
         self.comm = comm
         servers = job_for(comm, algorithm)
@@ -65,7 +75,8 @@ class BucketExchange:
         self.compressor = compressor
         self.timeline = timeline
         self.step = 0
-        self._buffers = [np.zeros(bucket.count, dtype=bucket.dtype) for bucket in self.buckets]  # padding stays 0
+        on_device = is_device(like) and servers is None  # the ps tasks serve host memory
+        self._buffers = [_zeros(bucket, like if on_device else None) for bucket in self.buckets]  # padding stays 0
         self._where = {
             slot.variable: (index, slot) for index, bucket in enumerate(self.buckets) for slot in bucket.slots
         }
@@ -85,13 +96,13 @@ class BucketExchange:
             ValueError: the gradient's size differs from its variable's, or it came twice this step.
         """
         index, slot = self._where[variable]
-        flat = np.asarray(gradient).reshape(-1)
+        flat = gradient.reshape(-1) if is_device(gradient) else np.asarray(gradient).reshape(-1)
         if flat.size != slot.count:
             raise ValueError(f"gradient of variable {variable} has {flat.size} elements, its variable {slot.count}")
         with self._lock:
             if variable in self._arrived:
                 raise ValueError(f"gradient of variable {variable} was handed over twice in step {self.step}")
-            self._buffers[index][slot.offset : slot.offset + slot.count] = flat
+            _copy_into(self._buffers[index][slot.offset : slot.offset + slot.count], flat)
             self._arrived.add(variable)
             self._missing[index] -= 1
             self._start_ready()
@@ -117,7 +128,7 @@ class BucketExchange:
             raise RuntimeError(f"bucket {index} was collected before all its gradients arrived")
         reduced = self.compressor.decompress(work.wait(), self._contexts[index])
         if self.average and self.comm.size > 1:
-            np.divide(reduced, np.asarray(self.comm.size, dtype=reduced.dtype), out=reduced)
+            array_module(reduced).divide(reduced, reduced.dtype.type(self.comm.size), out=reduced)
         self._record(index, work)
         bucket = self.buckets[index]
         gradients = [reduced[s.offset : s.offset + s.count].reshape(s.shape) for s in bucket.slots]
@@ -141,7 +152,7 @@ class BucketExchange:
             if self._next == 0:
                 self._announced.begin()
             wire, self._contexts[self._next] = self.compressor.compress(self._buffers[self._next])
-            result = aligned_empty(wire.shape, wire.dtype)  # fresh each step: tensors may share it
+            result = output_like(wire)  # fresh each step: tensors may share it
             self._works[self._next] = self._start_allreduce(wire, out=result)
             self._next += 1
             if self._next == len(self.buckets):
@@ -168,3 +179,22 @@ class BucketExchange:
                 bytes=bucket.nbytes,
                 gradients=len(bucket.slots),
             )
+
+
+def _zeros(bucket: Bucket, like: Any) -> Any:
+    """A bucket's buffer, zeroed: on `like`'s device, or host memory for None."""
+    if like is None:
+        return np.zeros(bucket.count, dtype=bucket.dtype)
+    buffer = output_like(like, (bucket.count,), bucket.dtype)
+    buffer.fill(0)
+    return buffer
+
+
+def _copy_into(target: Any, source: Any) -> None:
+    """`target[...] = source`, also between host and device (a gradient on the other side of its
+    bucket: ordered after the kernels queued on the device side, finished on return)."""
+    if is_device(target) == is_device(source):
+        target[...] = source
+        return
+    gpu = runtime()
+    gpu.copy(target, source, (gpu.ready(target if is_device(target) else source),))

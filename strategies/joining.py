@@ -61,6 +61,7 @@ import numpy as np
 
 from collectives import Communicator, MismatchError, Work
 from collectives.arguments import copy_back, flat_view, output_buffers
+from collectives.backends.device import runtime
 from collectives.core.arrays import is_device
 from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction, combine_in_order, finalize
 from collectives.ps_tasks import job_for
@@ -75,15 +76,16 @@ _OPS = tuple(ReduceOp)
 _DIGEST_WORDS = 4
 """int64 words of a digest (32 bytes): a check's fingerprint, a step's bucket layout."""
 
-_STATE, _FRESH, _KIND, _DTYPE, _COUNT, _OP, _ALGORITHM, _DIGEST = 0, 1, 2, 3, 4, 5, 6, 7
+_STATE, _FRESH, _KIND, _DTYPE, _COUNT, _OP, _ALGORITHM, _ON_DEVICE, _DIGEST = 0, 1, 2, 3, 4, 5, 6, 7, 8
 _RECORD_WORDS = _DIGEST + _DIGEST_WORDS
 """An announcement: state, fresh (a joined rank's first announcement), kind, dtype, count (of
-elements; of buckets for a step), op, algorithm, digest; int64 words. Then room for the data of a
-small all-reduce (`_new_record`)."""
+elements; of buckets for a step), op, algorithm, whether the buffer is GPU memory (a joined rank
+answers with the same kind: over NCCL the two kinds take different routes), digest; int64 words.
+Then room for the data of a small all-reduce (`_new_record`)."""
 _CARRIED_BYTES, _CARRIED_TOTAL_BYTES = 4096, 64 << 10
 """An announcement carries at most this much of a small all-reduce's data, and at most this much
 over all ranks (so a large world carries less per rank)."""
-_ROW = slice(_DTYPE, _ALGORITHM + 1)
+_ROW = slice(_DTYPE, _ON_DEVICE + 1)
 """The words of a record that describe one all-reduce: a row of a step's bucket layout."""
 
 
@@ -263,22 +265,24 @@ def _answer_step(comm: Communicator, rows: np.ndarray) -> None:
 
 def _answer_allreduce(comm: Communicator, row: np.ndarray) -> None:
     """A joined rank's part in the all-reduce that `row` describes: the op's identity."""
-    dtype_index, count, op_index, algorithm_code = (int(word) for word in row)
+    dtype_index, count, op_index, algorithm_code, on_device = (int(word) for word in row)
     op = _OPS[op_index]
     dtype = REDUCTION_DTYPES[dtype_index]
     algorithm = "auto" if algorithm_code == 0 else comm.algorithms[algorithm_code - 1]
-    comm.allreduce(np.full(count, _identity(op, dtype), dtype=dtype), op, algorithm)
+    xp = runtime().module if on_device else np  # the current GPU: the communicator's (NCCL made it so)
+    comm.allreduce(xp.full(count, _identity(op, dtype), dtype=dtype), op, algorithm)
 
 
 def _allreduce_row(comm: Communicator, flat: np.ndarray, op: str | ReduceOp, algorithm: str) -> np.ndarray:
-    """dtype, count, op and algorithm of an all-reduce, as a joined rank will repeat it; checks
-    them first, so that bad arguments fail before anything is sent."""
+    """dtype, count, op, algorithm and buffer kind of an all-reduce, as a joined rank will repeat
+    it; checks them first, so that bad arguments fail before anything is sent."""
     op = ReduceOp.parse(op)
     check_reduction(op, flat.dtype)
     if algorithm != "auto" and algorithm not in comm.algorithms:
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected 'auto' or one of {comm.algorithms}")
     algorithm_code = 0 if algorithm == "auto" else comm.algorithms.index(algorithm) + 1
-    return np.array([REDUCTION_DTYPES.index(flat.dtype), flat.size, _OPS.index(op), algorithm_code], dtype=np.int64)
+    words = [REDUCTION_DTYPES.index(flat.dtype), flat.size, _OPS.index(op), algorithm_code, int(is_device(flat))]
+    return np.array(words, dtype=np.int64)
 
 
 def _new_record(comm: Communicator) -> np.ndarray:
@@ -332,6 +336,7 @@ def _describe(record: np.ndarray) -> str:
     return (
         f"all-reduce of {record[_COUNT]} {REDUCTION_DTYPES[record[_DTYPE]]} "
         f"op={_OPS[record[_OP]].value} algorithm code {record[_ALGORITHM]}"
+        f"{' on the GPU' if record[_ON_DEVICE] else ''}"
     )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from collectives import Communicator
 from collectives.timeline import BACKPROP
 
-from ._tensorflow import as_array, tensorflow
+from ._tensorflow import as_operand, tensorflow
 from .aggregator import GradientAggregator
 from .buckets import DEFAULT_BUCKET_BYTES
 from .compression import Compressor
@@ -171,7 +171,7 @@ class DistributedGradientTape:
             if not self.aggregator.sparse_as_dense:
                 return
             gradient = tf.convert_to_tensor(gradient)
-        exchange.deposit(variable, as_array(gradient))
+        exchange.deposit(variable, as_operand(gradient))
         self._handed_over[variable] = gradient
 
     def _hooked_sources(self, sources: Sequence[Any]) -> bool:

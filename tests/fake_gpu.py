@@ -74,6 +74,8 @@ def _module() -> SimpleNamespace:
         asarray=asarray,
         ascontiguousarray=lambda x: same_place(np.ascontiguousarray(x), x),
         may_share_memory=np.may_share_memory,
+        full=lambda shape, value, dtype: same_place(np.full(shape, value, dtype), None),
+        divide=np.divide,
     )
 
 

@@ -33,6 +33,7 @@ from collectives.backends.device import gpu_unavailable_reason
 from collectives.backends.staged import StagedTransport
 from collectives.backends.threads import ThreadFabric
 from collectives.core import _half
+from collectives.core.arrays import is_device
 from collectives.core.ops import ReduceOp, combine, finalize
 
 UNAVAILABLE = gpu_unavailable_reason()
@@ -122,6 +123,34 @@ def test_device_body_in_many_segments(name: str) -> None:
     """The same with 4 KiB device segments: the largest inputs then travel in dozens of pipelined
     segments, each ordered on the GPU after the last (the default is one segment for them)."""
     collectives.run_threads(DEVICE_BODIES[name], 3, timeout=120, device_segment_bytes=4096)
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_gradient_buckets_on_the_device(cupy: Any, compression: str) -> None:
+    """The gradient tape's buckets for a model on a GPU: filled, all-reduced and averaged on the
+    device (float16 compression too), every rank bit-identical."""
+    from collectives.strategies.buckets import plan_buckets
+    from collectives.strategies.compression import Compression
+    from collectives.strategies.exchange import BucketExchange
+
+    shapes = [(1000,), (30, 7), (5,)]
+    buckets = plan_buckets([(s, np.dtype(np.float32)) for s in shapes], bucket_bytes=4096)
+
+    def body(comm: Communicator) -> list[np.ndarray]:
+        cupy.cuda.Device(0).use()
+        like = cupy.zeros(1, cupy.float32)
+        exchange = BucketExchange(comm, buckets, average=True, compressor=getattr(Compression, compression), like=like)
+        for variable, shape in enumerate(shapes):
+            exchange.deposit(variable, cupy.full(shape, comm.rank + variable + 0.25, cupy.float32))
+        reduced = exchange.collect_all()
+        assert all(isinstance(reduced[v], cupy.ndarray) for v in range(len(shapes)))
+        return [cupy.asnumpy(reduced[v]) for v in range(len(shapes))]
+
+    runs = collectives.run_threads(body, 3, timeout=60)
+    for variable, shape in enumerate(shapes):
+        np.testing.assert_array_equal(runs[0][variable], np.full(shape, variable + 1.25, np.float32))
+        for run in runs[1:]:
+            np.testing.assert_array_equal(run[variable], runs[0][variable])
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
@@ -252,6 +281,30 @@ def test_eager_gpu_tensors_travel_through_dlpack() -> None:
 
     for result in collectives.run_threads(body, 2):
         np.testing.assert_array_equal(result, np.full(1000, 3.0, np.float32))
+
+
+@pytest.mark.skipif(_TF_MISSING is not None, reason=_TF_MISSING or "")
+def test_gradient_tape_of_a_gpu_model_keeps_its_buckets_on_the_gpu() -> None:
+    """The tape's gradients of variables on a GPU fill device buckets and come back as GPU tensors,
+    averaged over the ranks."""
+    import tensorflow as tf
+
+    from collectives import strategies
+
+    def body(comm: Communicator) -> list[np.ndarray]:
+        with tf.device("/GPU:0"):
+            variables = [tf.Variable(tf.ones([64])), tf.Variable(tf.ones([3, 5]))]
+            with strategies.DistributedGradientTape(comm=comm) as tape:
+                loss = float(comm.rank + 1) * sum(tf.reduce_sum(v) for v in variables)
+            gradients = tape.gradient(loss, variables)
+        assert all("GPU" in g.device for g in gradients), [g.device for g in gradients]
+        exchange = tape.aggregator.last_exchange
+        assert exchange is not None and all(is_device(b) for b in exchange._buffers)
+        return [g.numpy() for g in gradients]
+
+    for result in collectives.run_threads(body, 2):
+        np.testing.assert_array_equal(result[0], np.full(64, 1.5, np.float32))
+        np.testing.assert_array_equal(result[1], np.full((3, 5), 1.5, np.float32))
 
 
 # -- NCCL ------------------------------------------------------------------------------------------

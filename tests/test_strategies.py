@@ -13,13 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import test_processes
+from fake_gpu import FakeDeviceArray, installed, on_device
 
 import collectives
 from collectives import MismatchError, run_threads
+from collectives.core.arrays import is_device
 from collectives.strategies.buckets import plan_buckets
 from collectives.strategies.compression import Compression
 from collectives.strategies.exchange import BucketExchange
 from collectives.strategies.fingerprint import check_same_everywhere
+from collectives.strategies.joining import announced_allreduce, join
 from collectives.strategies.uneven import allgather_rows
 from collectives.timeline import load_trace
 
@@ -129,6 +132,66 @@ def test_exchange_sends_zeros_for_missing_gradients_and_refuses_duplicates_and_w
     for result in run_threads(body, 2, timeout=20):
         np.testing.assert_array_equal(result[0], [1, 1])
         np.testing.assert_array_equal(result[1], [0, 0])
+
+
+def test_device_gradients_fill_device_buckets_and_come_back_on_the_device(monkeypatch) -> None:
+    """A model on a GPU: its buckets live on that GPU, travel as device buffers (through NCCL where
+    the backend is NCCL) and come back as device arrays; a gradient on the host is copied over.
+    (float16 compression needs CuPy's kernels: test_gpu.py.)"""
+    shapes = [(3,), (2, 2), (5,)]
+    buckets = plan_buckets([(s, F32) for s in shapes], bucket_bytes=24)
+    sent_on_device = []
+    start = collectives.Communicator.allreduce_async
+
+    def recording(self, x, *args, **kwargs):
+        sent_on_device.append(is_device(x))
+        return start(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(collectives.Communicator, "allreduce_async", recording)
+
+    def body(comm: collectives.Communicator) -> dict[int, np.ndarray]:
+        like = on_device(np.zeros(1, np.float32))
+        exchange = BucketExchange(comm, buckets, average=True, compressor=Compression.none, like=like)
+        for variable, shape in enumerate(shapes):
+            gradient = np.full(shape, comm.rank + variable, np.float32)
+            exchange.deposit(variable, gradient if variable == 1 else on_device(gradient))
+        return exchange.collect_all()
+
+    with installed() as gpu:
+        runs = run_threads(body, 2, timeout=20)
+    assert sent_on_device and all(sent_on_device)
+    assert [entry[1] for entry in gpu.entries("copy") if entry[3]].count("host->device") == 2  # one per rank
+    for run in runs:
+        for variable, shape in enumerate(shapes):
+            assert isinstance(run[variable], FakeDeviceArray)
+            np.testing.assert_array_equal(run[variable], np.full(shape, 0.5 + variable, np.float32))
+
+
+def test_a_joined_rank_answers_a_device_all_reduce_with_device_memory(monkeypatch) -> None:
+    """Over NCCL host and device buffers take different routes, so a rank that has joined must
+    answer a device all-reduce with device memory (the announcement says which)."""
+    answered_on_device = []
+    allreduce = collectives.Communicator.allreduce
+
+    def recording(self, x, *args, **kwargs):
+        if self.rank == 1:
+            answered_on_device.append(is_device(x))
+        return allreduce(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(collectives.Communicator, "allreduce", recording)
+
+    def body(comm: collectives.Communicator) -> object:
+        if comm.rank == 0:
+            reduced = announced_allreduce(comm, on_device(np.full(4, 2.0, np.float32)))
+            join(comm)
+            return reduced
+        return join(comm)
+
+    with installed():
+        reduced, last = run_threads(body, 2, timeout=20)
+    assert answered_on_device == [True] and last == 0
+    assert isinstance(reduced, FakeDeviceArray)
+    np.testing.assert_array_equal(reduced, np.full(4, 2.0, np.float32))
 
 
 # -- TensorFlow on the threads backend --------------------------------------------------------------
