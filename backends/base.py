@@ -390,3 +390,22 @@ def emulated_host(rank: int, environ: Mapping[str, str] = os.environ) -> str | N
     if ranks_per_node < 1:
         raise ValueError(f"{ENV_RANKS_PER_NODE} must be a positive integer, got {value!r}")
     return f"node{rank // ranks_per_node}"
+
+
+class AgreesThrough(Transport):
+    """A transport wrapped around another, `agreeing` (host staging around MPI or gRPC, NCCL
+    beside its control transport): the header agreement is the wrapped transport's."""
+
+    agreeing: Transport
+
+    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> Request:
+        return self.agreeing.start_agreement(digest, result, tag)
+
+    def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
+        return self.agreeing.gather_headers(header, tag, timeout)
+
+    def announce_waiting(self, tag: int) -> None:
+        self.agreeing.announce_waiting(tag)
+
+    def waiting_ranks(self, tag: int) -> set[int]:
+        return self.agreeing.waiting_ranks(tag)

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .base import Buffer, PostedRequest, Request, Transport, check_buffer
+from .base import AgreesThrough, Buffer, PostedRequest, Request, Transport, check_buffer
 from .device import Event, cupy_module, default_device, gpu_unavailable_reason, is_device, runtime
 from .errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, PeerLostError
 from .matching import Matcher, check
@@ -470,7 +470,7 @@ class _SendEdge:
 # -- the transport ---------------------------------------------------------------------------------
 
 
-class NcclTransport(Transport):
+class NcclTransport(AgreesThrough):
     """Device buffers through NCCL, host buffers and control through `control`.
 
     Collective: every rank constructs it at the same point (it duplicates `control`). Makes its
@@ -497,7 +497,7 @@ class NcclTransport(Transport):
         self, control: Transport, *, device_id: int | None = None, timeout: float = 60.0, nccl: Library | None = None
     ) -> None:
         self._nccl = nccl if nccl is not None else library()
-        self.control = control
+        self.control = self.agreeing = control
         self.rank = control.rank
         self.size = control.size
         self.host = control.host
@@ -833,18 +833,6 @@ class NcclTransport(Transport):
         """Device memory on this rank's GPU: what this transport's users send, so what probes and
         tuning time. (`empty`, the scratch that host data is received into, stays host memory.)"""
         return self._nccl.scratch(count * np.dtype(dtype).itemsize, self.device_id).view(dtype)
-
-    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> Request:
-        return self.control.start_agreement(digest, result, tag)
-
-    def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
-        return self.control.gather_headers(header, tag, timeout)
-
-    def announce_waiting(self, tag: int) -> None:
-        self.control.announce_waiting(tag)
-
-    def waiting_ranks(self, tag: int) -> set[int]:
-        return self.control.waiting_ranks(tag)
 
     # -- duplicates, abort, close -----------------------------------------------------------------
 

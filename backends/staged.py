@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Buffer, Consume, Request, Transport
+from .base import AgreesThrough, Buffer, Consume, Request, Transport
 from .device import is_device, runtime
 from .errors import CollectiveError
 
@@ -161,7 +161,7 @@ class StagedRequest:
         self._transport.pool.give(self._host)
 
 
-class StagedTransport(Transport):
+class StagedTransport(AgreesThrough):
     """`inner` (a host-memory transport), with device buffers staged through pinned host memory.
 
     Everything but `isend`, `irecv`, `irecv_reduce` and `native_allreduce` of device buffers is
@@ -174,7 +174,7 @@ class StagedTransport(Transport):
     """
 
     def __init__(self, inner: Transport, *, pool_bytes: int = DEFAULT_POOL_BYTES) -> None:
-        self.inner = inner
+        self.inner = self.agreeing = inner
         self.rank = inner.rank
         self.size = inner.size
         self.host = inner.host
@@ -255,18 +255,6 @@ class StagedTransport(Transport):
     def native_allgather(self, src: Buffer, dst: Buffer, timeout: float | None = None, tag: int = 0) -> None:
         """The inner transport's, for the host buffers the Communicator hands it natively."""
         self.inner.native_allgather(src, dst, timeout=timeout, tag=tag)
-
-    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> Request:
-        return self.inner.start_agreement(digest, result, tag)
-
-    def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
-        return self.inner.gather_headers(header, tag, timeout)
-
-    def announce_waiting(self, tag: int) -> None:
-        self.inner.announce_waiting(tag)
-
-    def waiting_ranks(self, tag: int) -> set[int]:
-        return self.inner.waiting_ranks(tag)
 
     # -- everything else is the inner transport's -------------------------------------------------
 
