@@ -862,9 +862,8 @@ class MPITransport(Transport):
         if np.may_share_memory(src, dst):
             dst.view(np.uint8)[self.rank * src.nbytes : (self.rank + 1) * src.nbytes] = src.view(np.uint8)
             send = _MPI.IN_PLACE
-        request = _Native(self, self._comm.Iallgather(send, [dst, self._byte]), (src, dst), tag, "native all-gather")
-        self._live.add(request)
-        request.wait(timeout)
+        gather = self._comm.Iallgather(send, [dst, self._byte])
+        self._engine_call(gather, (src, dst), tag, "native all-gather").wait(timeout)
 
     agrees_natively = True
 
@@ -874,11 +873,9 @@ class MPITransport(Transport):
         if (refusal := self._refusal()) is not None:
             raise refusal
         MPI = _MPI
-        request = _Native(
-            self, self._comm.Iallreduce([digest, MPI.INT64_T], [result, MPI.INT64_T], MPI.MAX), (digest, result), tag
+        return self._engine_call(
+            self._comm.Iallreduce([digest, MPI.INT64_T], [result, MPI.INT64_T], MPI.MAX), (digest, result), tag
         )
-        self._live.add(request)
-        return request
 
     def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
         """Every rank's header, by MPI_Iallgather of fixed-size records, polled like a message.
@@ -894,9 +891,7 @@ class MPITransport(Transport):
         if (refusal := self._refusal()) is not None:
             raise refusal
         gather = self._comm.Iallgather([mine_array, self._byte], [table, self._byte])
-        request = _Native(self, gather, (mine_array, table), tag, "gathering of the headers")
-        self._live.add(request)
-        request.wait(timeout)
+        self._engine_call(gather, (mine_array, table), tag, "gathering of the headers").wait(timeout)
         rows = table.reshape(self.size, len(record))
         return [
             bytes(
@@ -961,7 +956,15 @@ class MPITransport(Transport):
             send = _MPI.IN_PLACE
         else:
             send = [src, datatype]
-        request = _Native(self, self._comm.Iallreduce(send, [dst, datatype], mpi_op), (src, dst), tag)
+        return self._engine_call(self._comm.Iallreduce(send, [dst, datatype], mpi_op), (src, dst), tag)
+
+    def _engine_call(
+        self, posted: Any, refs: tuple[np.ndarray, ...], tag: int, kind: str = "native all-reduce"
+    ) -> _Native:
+        """One of MPI's own collectives, just posted (`posted`: its MPI request), tracked like a
+        message: polled with deadlines, failed by an abort, drained by `close`. `refs`: its
+        buffers, kept alive while MPI works on them."""
+        request = _Native(self, posted, refs, tag, kind)
         self._live.add(request)
         return request
 
