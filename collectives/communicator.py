@@ -641,8 +641,14 @@ class Communicator:
     def _new_selector(self, costs: LinkCosts, tuning: Tuning | None = None) -> Selector:
         """A selector for the buffers the transport is measured with (device memory over NCCL):
         its link costs and segment size describe the same kind of buffer."""
-        segment_bytes = self._segment_bytes(self._transport.measurement_buffer(0, np.uint8))
-        return Selector(self.topology, costs, segment_bytes, tuning, native=self._transport.has_native_allreduce)
+        return Selector(
+            self.topology, costs, self._measured_segment_bytes(), tuning, native=self._transport.has_native_allreduce
+        )
+
+    def _measured_segment_bytes(self) -> int:
+        """The segment size of the buffers the transport is probed and tuned with (device memory
+        over NCCL): what the selector predicts with, and what a tuning file is valid for."""
+        return self._segment_bytes(self._transport.measurement_buffer(0, np.uint8))
 
     def _segment_bytes(self, buf: Any) -> int:
         """The pipelining granularity for `buf`: `device_segment_bytes` for a GPU array."""

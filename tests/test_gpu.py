@@ -12,7 +12,9 @@ What is checked:
 * the threads transport's device copies, in every direction between host and device;
 * staging through pinned memory on a host-only transport in-process, and over MPI and gRPC jobs
   started by `mpiexec` and the launcher;
-* `python -m bench --device cuda`.
+* `python -m bench --device cuda`;
+* NCCL: a world of one, two processes sharing the GPU under the launcher and under `mpiexec` (MPI
+  as the control transport), a peer killed mid-stream, and `python -m bench --backend nccl`.
 """
 
 from __future__ import annotations
@@ -372,6 +374,24 @@ def test_nccl_two_ranks_run_every_device_body() -> None:
     for rank in range(2):
         for name in DEVICE_BODIES:
             assert f"rank {rank}: {name} ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_nccl_with_mpi_as_its_control_runs_every_device_body() -> None:
+    """The same over `mpiexec` (COLLECTIVES_BACKEND=nccl): MPI bootstraps NCCL and carries the
+    envelopes and agreements, NCCL the device data."""
+    reason = _nccl_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    pytest.importorskip("mpi4py")
+    from test_mpi import MPIEXEC, assert_ok, mpirun
+
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec (pip install -e '.[mpi]')")
+    env = {"COLLECTIVES_BACKEND": "nccl", "NCCL_DEBUG": "VERSION", **_MULTI_RANK_GPU}
+    job = mpirun(2, BODIES_SCRIPT, *DEVICE_BODIES, env=env, timeout=_JOB_TIMEOUT)
+    for name in DEVICE_BODIES:
+        assert_ok(job, 2, f"{name} ok")
+    assert "NCCL version" in job.output, f"NCCL never started:\n{job.output}"
 
 
 _KILL_TIMEOUT = 10.0

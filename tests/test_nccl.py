@@ -10,9 +10,11 @@ real NCCL.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -34,6 +36,8 @@ from collectives.backends.errors import (
 )
 from collectives.backends.nccl import NcclRequest, NcclTransport, decode_envelope, encode_envelope
 from collectives.backends.threads import ThreadFabric
+from collectives.selection import tuning
+from collectives.selection.native import NATIVE
 
 H = b"allreduce algorithm=ring dtype=float32 shape=(6,) op=sum"
 WAIT = 10.0
@@ -426,6 +430,32 @@ def test_host_buffers_reach_the_native_allreduce_through_the_device(fake_nccl: F
         np.testing.assert_array_equal(result, np.full(4, 3.0))
     to_device = [entry for entry in gpu.entries("copy") if entry[1] == "host->device"]
     assert to_device and all(after for *_, after in to_device)
+
+
+@pytest.mark.usefixtures("gpu")
+def test_calibration_times_the_device_sizes_against_the_selector_it_corrects(
+    fake_nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The quick pass at `init()` times a transport measured with device memory at the device
+    sizes, the largest included (ncclAllReduce's cost per byte is nothing a smaller size shows),
+    and its ratios are to the predictions of the selector they correct (device segments here,
+    host segments of 4 KiB beside them): with every call timed at 1 ms, auto predicts 1 ms for
+    every candidate at every timed size."""
+    monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path))
+    monkeypatch.setattr(tuning, "QUICK_DEVICE_SIZES", (4096, 65536, 1 << 20))
+
+    def body(comm: Communicator) -> tuple[Any, dict[int, dict[str, float]]]:
+        ticks = itertools.count()
+        comm.clock = lambda: next(ticks) * 1e-3  # type: ignore[method-assign]  # each timed call: 1 ms
+        tuned = comm.calibrate()
+        return tuned, {n: comm.explain(n).corrected for n in tuned.sizes}
+
+    for tuned, corrected in run_nccl(body, 2, fake_nccl):
+        assert tuned.sizes == (4096, 65536, 1 << 20)
+        assert {"ring", "direct", NATIVE} <= set(corrected[1 << 20])
+        for nbytes, times in corrected.items():
+            for algorithm, seconds in times.items():
+                assert seconds == pytest.approx(1e-3), f"{algorithm} at {nbytes} bytes"
 
 
 @pytest.mark.usefixtures("gpu")

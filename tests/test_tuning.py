@@ -102,8 +102,7 @@ def test_measure_starts_no_size_past_its_budget() -> None:
     """Every rank stops after the same size once the budget is spent (here: at once)."""
 
     def body(comm: collectives.Communicator):
-        selector = Selector(comm.topology, DEFAULT_LINK_COSTS, comm.segment_bytes)
-        return tuning.measure(comm, selector, (4096, 1 << 20), rounds=1, budget=0.0)
+        return tuning.measure(comm, DEFAULT_LINK_COSTS, (4096, 1 << 20), rounds=1, budget=0.0)
 
     results = collectives.run_threads(body, 2)
     assert all(r == results[0] for r in results) and results[0].sizes == (4096,)

@@ -22,7 +22,8 @@ else ~/.cache/collectives; `python -m collectives.selection.tuning show|clear` l
 `Communicator.calibrate()` (what `collectives.init()` runs by default) is `calibrate`: the cached
 tuning when there is one, else a quick pass (a probe, then `QUICK_ROUNDS` rounds at `QUICK_SIZES`)
 that corrects the model where it errs most, at small sizes, and up to a few MiB, from where on its
-corrections hold.
+corrections hold. On device memory (NCCL) it times up to 64 MiB (`QUICK_DEVICE_SIZES`), which a GPU
+moves in a millisecond, because there the engine's own all-reduce differs per byte as well.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ import numpy as np
 from collectives._version import __version__
 from collectives.core import arrays
 from collectives.core.topology import LinkCost, LinkCosts, Topology
-from collectives.selection.native import NATIVE
-from collectives.selection.selector import Selector, Tuning
+from collectives.selection.selector import Tuning
 
 if TYPE_CHECKING:
     from collectives.communicator import Communicator
@@ -65,6 +65,18 @@ QUICK_ROUNDS = 5
 QUICK_BUDGET = 0.2
 """Seconds after which the quick pass starts no further size (many thread ranks on few cores take
 longer per all-reduce: there it stops after 4 KiB or 1 MiB)."""
+
+QUICK_DEVICE_SIZES = (4 << 10, 1 << 20, 64 << 20)
+"""The quick pass's sizes where the transport is measured with device memory (NCCL). A GPU moves
+64 MiB in about the time the host moves 1 MiB, and the engine's own all-reduce (ncclAllReduce)
+runs channels of its own whose cost per byte the library's point-to-point messages, and so the
+model and the smaller sizes, say nothing about: held from 4 MiB, the corrections made `auto` pick
+the ring where ncclAllReduce was 5-25x faster. So the bandwidth-bound regime is timed, not held."""
+
+QUICK_DEVICE_BUDGET = 2.0
+"""The quick pass's budget on device memory: beside NCCL's own set-up at `init()` (a second or
+more), and enough for the 64 MiB round where ranks share one GPU (about a second: each NCCL call
+then costs milliseconds whatever its size)."""
 
 ENV_TUNING_DIR = "COLLECTIVES_TUNING_DIR"
 """Where tuning files live, above $XDG_CACHE_HOME/collectives and ~/.cache/collectives."""
@@ -109,13 +121,8 @@ def _cache_fingerprint(topology: Topology, backend: str, segment_bytes: int) -> 
 
 
 def _cache_path(comm: Communicator, backend: str, cache_dir: str | os.PathLike | None) -> tuple[Path, str]:
-    fingerprint = _cache_fingerprint(comm.topology, backend, comm.segment_bytes)
+    fingerprint = _cache_fingerprint(comm.topology, backend, comm._measured_segment_bytes())
     return cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint), fingerprint
-
-
-def _selector(comm: Communicator, costs: LinkCosts) -> Selector:
-    """An untuned selector over `comm`'s candidates (native included where the backend has it)."""
-    return Selector(comm.topology, costs, comm.segment_bytes, native=NATIVE in comm.algorithms)
 
 
 def load_or_measure(
@@ -135,7 +142,7 @@ def load_or_measure(
     if use_cache and (cached := _read_shared(comm, path, fingerprint)) is not None:
         return cached
     costs = comm.probe()
-    tuning = measure(comm, _selector(comm, costs), sorted(sizes))
+    tuning = measure(comm, costs, sorted(sizes))
     if use_cache and comm.rank == 0:
         _write_atomically(path, encode(costs, tuning, fingerprint))
     return costs, tuning
@@ -144,13 +151,15 @@ def load_or_measure(
 def calibrate(comm: Communicator, *, backend: str) -> tuple[LinkCosts, Tuning]:
     """What `Communicator.calibrate()` uses (a collective): the cached tuning for this layout when
     there is one, else a quick pass: a probe, then every candidate timed at `QUICK_SIZES` within
-    `QUICK_BUDGET`. The quick pass is not saved: only
-    `tune()`'s fuller one is."""
+    `QUICK_BUDGET` (on device memory `QUICK_DEVICE_SIZES` within `QUICK_DEVICE_BUDGET`). The quick
+    pass is not saved: only `tune()`'s fuller one is."""
     path, fingerprint = _cache_path(comm, backend, None)
     if (cached := _read_shared(comm, path, fingerprint)) is not None:
         return cached
     costs = comm.probe()
-    return costs, measure(comm, _selector(comm, costs), QUICK_SIZES, rounds=QUICK_ROUNDS, budget=QUICK_BUDGET)
+    on_device = arrays.is_device(comm._transport.measurement_buffer(0, np.uint8))
+    sizes, budget = (QUICK_DEVICE_SIZES, QUICK_DEVICE_BUDGET) if on_device else (QUICK_SIZES, QUICK_BUDGET)
+    return costs, measure(comm, costs, sizes, rounds=QUICK_ROUNDS, budget=budget)
 
 
 def _read_shared(comm: Communicator, path: Path, fingerprint: str) -> tuple[LinkCosts, Tuning] | None:
@@ -182,7 +191,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def measure(
     comm: Communicator,
-    selector: Selector,
+    costs: LinkCosts,
     sizes: Sequence[int],
     *,
     rounds: int = ROUNDS,
@@ -190,9 +199,14 @@ def measure(
 ) -> Tuning:
     """Time every candidate at each size on `comm` (a collective), interleaved round by round.
 
+    The ratios are to the predictions of the selector `comm` builds from `costs` (its candidates,
+    the segment size of the buffers it is measured with), because that is the selector they will
+    correct: predicted with another segment size, they would be off by its difference in messages.
+
     With a `budget` (seconds), no further size is started once the slowest rank has spent it; the
     tuning then covers the sizes measured (every rank stops after the same size: they compare the
     same all-reduced time)."""
+    selector = comm._new_selector(costs)
     clock = comm.clock
     began = clock()
     ratios: dict[str, list[float | None]] = {a: [None] * len(sizes) for a in selector.candidates}
