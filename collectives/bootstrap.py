@@ -27,6 +27,7 @@ from collectives import logs, ps_tasks, timeline
 from collectives.backends.base import Transport, emulated_host
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
 from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES
+from collectives.selection.tuning import autotune_mode
 from collectives.timeline import ENV_TIMELINE
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,6 @@ ENV_SECRET = "COLLECTIVES_SECRET"
 ENV_AUTOTUNE = "COLLECTIVES_AUTOTUNE"
 """What `init()` measures so that `algorithm="auto"` chooses well: "calibrate" (the default),
 "tune" or "off"."""
-_AUTOTUNE_MODES: dict[str, bool | str] = {"calibrate": "calibrate", "tune": True, "off": False}
 
 BACKENDS = ("mpi", "grpc", "nccl", "threads")
 
@@ -77,7 +77,7 @@ def init(
     timeout: float = DEFAULT_TIMEOUT,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     device_segment_bytes: int = DEFAULT_DEVICE_SEGMENT_BYTES,
-    autotune: str | None = None,
+    autotune: bool | str | None = None,
 ) -> Communicator:
     """Create this process's communicator and make it the default one.
 
@@ -89,8 +89,8 @@ def init(
         device_segment_bytes: the same for GPU buffers (see `Communicator`).
         autotune: "calibrate" (`Communicator.calibrate()`: the cached tuning for this layout, else
             a sub-second timing of every candidate, so that `algorithm="auto"` chooses from
-            measurements), "tune" (the full `tune()`, cached) or "off" (the model on default
-            link costs); None reads COLLECTIVES_AUTOTUNE, else "calibrate".
+            measurements), "tune" (or True: the full `tune()`, cached) or "off" (or False: the
+            model on default link costs); None reads COLLECTIVES_AUTOTUNE, else "calibrate".
 
     Returns:
         The communicator; also returned by `default_communicator()` from now on. In a TF_CONFIG
@@ -111,7 +111,7 @@ def init(
     servers = _parameter_server_tasks(chosen)
     if servers:
         comm = ps_tasks.start(transport, comm, servers)  # a ps task serves here and exits
-    if mode is True:
+    if mode == "tune":
         comm.tune()
     elif mode == "calibrate":
         comm.calibrate()
@@ -136,14 +136,12 @@ def init(
     return comm
 
 
-def _autotune_mode(autotune: str | None, environ: Mapping[str, str]) -> bool | str:
-    """`init()`'s autotune argument, else COLLECTIVES_AUTOTUNE, else "calibrate", as the value
-    `Communicator(autotune=...)` takes; a ValueError naming the choices for anything else."""
-    name = autotune if autotune is not None else environ.get(ENV_AUTOTUNE) or "calibrate"
-    if name not in _AUTOTUNE_MODES:
-        source = "autotune" if autotune is not None else ENV_AUTOTUNE
-        raise ValueError(f"{source}={name!r} is not an autotune mode; expected one of {tuple(_AUTOTUNE_MODES)}")
-    return _AUTOTUNE_MODES[name]
+def _autotune_mode(autotune: bool | str | None, environ: Mapping[str, str]) -> str:
+    """`init()`'s autotune argument, else COLLECTIVES_AUTOTUNE, else "calibrate", as one of
+    `tuning.AUTOTUNE_MODES`; a ValueError naming the choices for anything else."""
+    if autotune is not None:
+        return autotune_mode(autotune)
+    return autotune_mode(environ.get(ENV_AUTOTUNE) or "calibrate", ENV_AUTOTUNE)
 
 
 def _node_hosts(comm: Communicator) -> list[str]:

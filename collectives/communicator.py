@@ -70,7 +70,7 @@ from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
 from collectives.selection.native import NATIVE
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Explanation, Selector, Tuning
-from collectives.selection.tuning import TUNE_SIZES, calibrate, load_or_measure
+from collectives.selection.tuning import TUNE_SIZES, autotune_mode, calibrate, load_or_measure
 from collectives.sequencer import Sequencer, Work, completed_work
 
 DEFAULT_TIMEOUT = 60.0
@@ -92,9 +92,10 @@ class Communicator:
         device_segment_bytes: the same for GPU (CuPy) buffers, coarser by default because every
             segment costs a kernel launch and a wait (`layout.DEFAULT_DEVICE_SEGMENT_BYTES`).
         autotune: what construction runs, after the ranks have met, so that `algorithm="auto"`
-            chooses from measurements: True, the full `tune()` (which reuses a cached tuning file
-            when there is one); "calibrate", the quick `calibrate()`; False, nothing (the model on
-            default link costs until `probe()`, `calibrate()` or `tune()`). Construction is a
+            chooses from measurements: "tune" (or True), the full `tune()` (which reuses a cached
+            tuning file when there is one); "calibrate", the quick `calibrate()`; "off" (or False),
+            nothing (the model on default link costs until `probe()`, `calibrate()` or `tune()`),
+            the same names as `collectives.init()` and COLLECTIVES_AUTOTUNE. Construction is a
             collective already, so every rank runs the pass at the same point; every rank must
             pass the same value. `collectives.init()` calibrates by default.
     """
@@ -109,6 +110,7 @@ class Communicator:
         autotune: bool | str = False,
     ) -> None:
         timeout = checked_timeout(timeout)
+        mode = autotune_mode(autotune)
         for name, value in (("segment_bytes", segment_bytes), ("device_segment_bytes", device_segment_bytes)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -129,12 +131,10 @@ class Communicator:
         self._duplicates = itertools.count()
         """Numbers this communicator's `dup` calls, the same way on every rank."""
         try:
-            if autotune is True:
+            if mode == "tune":
                 self.tune()
-            elif autotune == "calibrate":
+            elif mode == "calibrate":
                 self.calibrate()
-            elif autotune is not False:
-                raise ValueError(f"autotune must be True, False or 'calibrate', got {autotune!r}")
         except BaseException:
             self.close()
             raise

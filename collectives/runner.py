@@ -42,7 +42,7 @@ def run_threads(
         timeout: seconds each collective may take before `CollectiveTimeoutError`.
         segment_bytes: pipelining granularity passed to every communicator (host buffers).
         device_segment_bytes: the same for GPU buffers.
-        autotune: passed to every communicator (True, False or "calibrate").
+        autotune: passed to every communicator ("calibrate", "tune" or "off"; True is "tune", False "off").
 
     Raises:
         The first exception raised on any rank (with a note naming the rank); the other ranks are

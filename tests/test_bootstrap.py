@@ -39,13 +39,27 @@ def test_unknown_backend_is_refused() -> None:
     [
         (None, {}, "calibrate"),
         (None, {"COLLECTIVES_AUTOTUNE": ""}, "calibrate"),
-        (None, {"COLLECTIVES_AUTOTUNE": "tune"}, True),
-        ("off", {"COLLECTIVES_AUTOTUNE": "tune"}, False),  # the argument wins
+        (None, {"COLLECTIVES_AUTOTUNE": "tune"}, "tune"),
+        ("off", {"COLLECTIVES_AUTOTUNE": "tune"}, "off"),  # the argument wins
+        (False, {"COLLECTIVES_AUTOTUNE": "tune"}, "off"),  # as Communicator(autotune=False)
+        (True, {}, "tune"),
     ],
 )
-def test_autotune_mode(argument: str | None, environ: dict[str, str], expected: bool | str) -> None:
+def test_autotune_mode(argument: bool | str | None, environ: dict[str, str], expected: str) -> None:
     """init() calibrates unless told otherwise, by its argument or COLLECTIVES_AUTOTUNE."""
     assert bootstrap._autotune_mode(argument, environ) == expected
+
+
+def test_communicators_take_the_names_init_takes() -> None:
+    """`run_threads`/`Communicator` and `init()` take the same autotune names and booleans."""
+
+    def tuned(comm: collectives.Communicator) -> bool:
+        return comm.explain(4096).tuned
+
+    assert collectives.run_threads(tuned, 2, autotune="off") == [False, False]
+    assert collectives.run_threads(tuned, 2, autotune="calibrate") == [True, True]
+    with pytest.raises(ValueError, match="autotune='fast' is not an autotune mode"):
+        collectives.run_threads(tuned, 2, autotune="fast")
 
 
 def test_unknown_autotune_mode_is_refused_before_anything_starts(monkeypatch) -> None:

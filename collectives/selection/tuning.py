@@ -78,6 +78,21 @@ QUICK_DEVICE_BUDGET = 2.0
 more), and enough for the 64 MiB round where ranks share one GPU (about a second: each NCCL call
 then costs milliseconds whatever its size)."""
 
+AUTOTUNE_MODES = ("calibrate", "tune", "off")
+"""What a communicator runs once built so that `algorithm="auto"` chooses from measurements: the
+quick `calibrate`, the full (cached) `tune`, or nothing (the model on default link costs)."""
+
+
+def autotune_mode(value: bool | str, source: str = "autotune") -> str:
+    """`value` as one of `AUTOTUNE_MODES` (True means "tune" and False "off", wherever an autotune
+    argument is taken); a ValueError naming `source` and the choices for anything else."""
+    if value is True or value is False:
+        return "tune" if value else "off"
+    if isinstance(value, str) and value in AUTOTUNE_MODES:
+        return value
+    raise ValueError(f"{source}={value!r} is not an autotune mode; expected one of {AUTOTUNE_MODES}, True or False")
+
+
 ENV_TUNING_DIR = "COLLECTIVES_TUNING_DIR"
 """Where tuning files live, above $XDG_CACHE_HOME/collectives and ~/.cache/collectives."""
 
