@@ -361,17 +361,21 @@ def test_nccl_world_of_one_runs_the_native_collectives(cupy: Any, dtype: str, op
         transport.close()
 
 
-def test_nccl_two_ranks_run_every_device_body() -> None:
-    """Two processes (on one GPU where there is only one) over NCCL: every algorithm, native
-    (ncclAllReduce) included, op, dtype and count, and the other collectives."""
+@pytest.mark.parametrize(("ranks", "layout"), [(2, []), (3, ["--ranks-per-node", "2"])])
+def test_nccl_ranks_run_every_device_body(ranks: int, layout: list[str]) -> None:
+    """Processes (on one GPU where there is only one) over NCCL: every algorithm, native
+    (ncclAllReduce) included, op, dtype and count, and the other collectives; with 3 ranks on
+    nodes of 2 and 1, the hierarchical algorithms and uneven blocks too."""
     reason = _nccl_reason()
     if reason is not None:
         pytest.skip(reason)
     result = launch_job(
-        ["--backend", "nccl", "-n", "2", BODIES_SCRIPT, *DEVICE_BODIES], timeout=_JOB_TIMEOUT, env=_MULTI_RANK_GPU
+        ["--backend", "nccl", "-n", str(ranks), *layout, BODIES_SCRIPT, *DEVICE_BODIES],
+        timeout=_JOB_TIMEOUT,
+        env=_MULTI_RANK_GPU,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    for rank in range(2):
+    for rank in range(ranks):
         for name in DEVICE_BODIES:
             assert f"rank {rank}: {name} ok" in result.stdout, result.stdout + result.stderr
 
