@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .errors import BackendUnavailableError
+from .seam import Seam
 
 Event = Any
 """A point in a stream's work (`cupy.cuda.Event`), or None where there is nothing to wait for."""
@@ -244,8 +245,7 @@ def _pointer(buf: Any) -> int:
     return int(buf.__cuda_array_interface__["data"][0])
 
 
-_runtime: Runtime | None = None
-_runtime_lock = threading.Lock()
+_RUNTIME: Seam[Runtime] = Seam(CupyRuntime)
 
 
 def runtime() -> Runtime:
@@ -254,24 +254,10 @@ def runtime() -> Runtime:
     Raises:
         BackendUnavailableError: CuPy is not installed.
     """
-    current = _runtime
-    if current is not None:
-        return current
-    return _install_default()
-
-
-def _install_default() -> Runtime:
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None:
-            _runtime = CupyRuntime()
-        return _runtime
+    return _RUNTIME.get()
 
 
 def use_runtime(replacement: Runtime | None) -> Runtime | None:
     """Make `replacement` the active runtime (None: CuPy's again, on next use); returns the one it
     replaces. The seam through which tests run the device paths on a fake GPU."""
-    global _runtime
-    with _runtime_lock:
-        previous, _runtime = _runtime, replacement
-    return previous
+    return _RUNTIME.replace(replacement)

@@ -59,6 +59,7 @@ from .base import AgreesThrough, Buffer, PostedRequest, Request, Transport, chec
 from .device import Event, cupy_module, default_device, gpu_unavailable_reason, is_device, runtime
 from .errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, PeerLostError
 from .matching import Matcher, check
+from .seam import Seam
 
 MAX_HEADER_BYTES = 512
 UID_BYTES = 128
@@ -283,8 +284,7 @@ def _version_text(code: int) -> str:
     return f"{major}.{minor}.{patch}"
 
 
-_library: Library | None = None
-_library_lock = threading.Lock()
+_LIBRARY: Seam[Library] = Seam(CupyNccl)
 
 
 def library() -> Library:
@@ -293,20 +293,13 @@ def library() -> Library:
     Raises:
         BackendUnavailableError: CuPy, a GPU or NCCL is missing.
     """
-    global _library
-    with _library_lock:
-        if _library is None:
-            _library = CupyNccl()
-        return _library
+    return _LIBRARY.get()
 
 
 def use_library(replacement: Library | None) -> Library | None:
     """Make `replacement` the active library (None: CuPy's again, on next use); returns the one
     it replaces. The seam through which tests run this transport on a fake NCCL."""
-    global _library
-    with _library_lock:
-        previous, _library = _library, replacement
-    return previous
+    return _LIBRARY.replace(replacement)
 
 
 # -- envelopes -------------------------------------------------------------------------------------
