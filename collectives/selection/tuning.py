@@ -22,8 +22,8 @@ else ~/.cache/collectives; `python -m collectives.selection.tuning show|clear` l
 `Communicator.calibrate()` (what `collectives.init()` runs by default) is `calibrate`: the cached
 tuning when there is one, else a quick pass (a probe, then `QUICK_ROUNDS` rounds at `QUICK_SIZES`)
 that corrects the model where it errs most, at small sizes, and up to a few MiB, from where on its
-corrections hold. On device memory (NCCL) it times up to 64 MiB (`QUICK_DEVICE_SIZES`), which a GPU
-moves in a millisecond, because there the engine's own all-reduce differs per byte as well.
+corrections hold. On device memory (NCCL) it times 16 and 64 MiB too (`QUICK_DEVICE_SIZES`),
+which a GPU moves in a millisecond, because there the engine's own all-reduce differs per byte.
 """
 
 from __future__ import annotations
@@ -66,12 +66,14 @@ QUICK_BUDGET = 0.2
 """Seconds after which the quick pass starts no further size (many thread ranks on few cores take
 longer per all-reduce: there it stops after 4 KiB or 1 MiB)."""
 
-QUICK_DEVICE_SIZES = (4 << 10, 1 << 20, 64 << 20)
+QUICK_DEVICE_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
 """The quick pass's sizes where the transport is measured with device memory (NCCL). A GPU moves
 64 MiB in about the time the host moves 1 MiB, and the engine's own all-reduce (ncclAllReduce)
 runs channels of its own whose cost per byte the library's point-to-point messages, and so the
 model and the smaller sizes, say nothing about: held from 4 MiB, the corrections made `auto` pick
-the ring where ncclAllReduce was 5-25x faster. So the bandwidth-bound regime is timed, not held."""
+the ring where ncclAllReduce was 5-25x faster. So the bandwidth-bound regime is timed, not held,
+and 16 MiB too: interpolated between 1 and 64 MiB, the corrections picked native at 16 MiB where
+the ring took 0.6 of its time (2 ranks sharing one GPU)."""
 
 QUICK_DEVICE_BUDGET = 2.0
 """The quick pass's budget on device memory: beside NCCL's own set-up at `init()` (a second or
