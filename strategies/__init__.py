@@ -84,4 +84,6 @@ def __getattr__(name: str) -> Any:
         from ._tensorflow import tensorflow
 
         tensorflow()  # a clear error naming the `tf` extra if TensorFlow is missing
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later lookups (`strategies.allreduce(x)` every step) skip this function
+    return value
