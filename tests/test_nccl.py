@@ -432,21 +432,26 @@ def test_host_buffers_reach_the_native_allreduce_through_the_device(fake_nccl: F
     assert to_device and all(after for *_, after in to_device)
 
 
+def _one_millisecond_per_call(comm: Communicator) -> None:
+    """Make every call that `tuning.measure` times take exactly 1 ms on `comm`'s clock."""
+    ticks = itertools.count()
+    comm.clock = lambda: next(ticks) * 1e-3  # type: ignore[method-assign]
+
+
 @pytest.mark.usefixtures("gpu")
 def test_calibration_times_the_device_sizes_against_the_selector_it_corrects(
     fake_nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The quick pass at `init()` times a transport measured with device memory at the device
     sizes, the largest included (ncclAllReduce's cost per byte is nothing a smaller size shows),
-    and its ratios are to the predictions of the selector they correct (device segments here,
-    host segments of 4 KiB beside them): with every call timed at 1 ms, auto predicts 1 ms for
-    every candidate at every timed size."""
+    in their order but listed ascending, and its ratios are to the predictions of the selector
+    they correct (device segments here, host segments of 4 KiB beside them): with every call timed
+    at 1 ms, auto predicts 1 ms for every candidate at every timed size."""
     monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path))
-    monkeypatch.setattr(tuning, "QUICK_DEVICE_SIZES", (4096, 65536, 1 << 20))
+    monkeypatch.setattr(tuning, "QUICK_DEVICE_SIZES", (4096, 1 << 20, 65536))
 
     def body(comm: Communicator) -> tuple[Any, dict[int, dict[str, float]]]:
-        ticks = itertools.count()
-        comm.clock = lambda: next(ticks) * 1e-3  # type: ignore[method-assign]  # each timed call: 1 ms
+        _one_millisecond_per_call(comm)
         tuned = comm.calibrate()
         return tuned, {n: comm.explain(n).corrected for n in tuned.sizes}
 
@@ -456,6 +461,27 @@ def test_calibration_times_the_device_sizes_against_the_selector_it_corrects(
         for nbytes, times in corrected.items():
             for algorithm, seconds in times.items():
                 assert seconds == pytest.approx(1e-3), f"{algorithm} at {nbytes} bytes"
+
+
+@pytest.mark.usefixtures("gpu")
+def test_a_device_calibration_out_of_budget_keeps_both_ends(
+    fake_nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Out of budget after two sizes, the device pass has timed the smallest and the largest (so
+    that it interpolates between them, instead of holding a middle size's corrections)."""
+    monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path))
+    monkeypatch.setattr(tuning, "QUICK_DEVICE_SIZES", (4096, 1 << 20, 16384, 65536))
+    monkeypatch.setattr(tuning, "QUICK_ROUNDS", 1)
+
+    def body(comm: Communicator) -> Any:
+        candidates = len(comm._new_selector(comm.link_costs).candidates)
+        # each size: two clock readings per candidate's call, then one for the budget
+        monkeypatch.setattr(tuning, "QUICK_DEVICE_BUDGET", (3 * candidates + 1.5) * 1e-3)
+        _one_millisecond_per_call(comm)
+        return comm.calibrate()
+
+    for tuned in run_nccl(body, 2, fake_nccl):
+        assert tuned.sizes == (4096, 1 << 20)
 
 
 @pytest.mark.usefixtures("gpu")

@@ -66,8 +66,11 @@ QUICK_BUDGET = 0.2
 """Seconds after which the quick pass starts no further size (many thread ranks on few cores take
 longer per all-reduce: there it stops after 4 KiB or 1 MiB)."""
 
-QUICK_DEVICE_SIZES = (4 << 10, 1 << 20, 16 << 20, 64 << 20)
-"""The quick pass's sizes where the transport is measured with device memory (NCCL). A GPU moves
+QUICK_DEVICE_SIZES = (4 << 10, 64 << 20, 1 << 20, 16 << 20)
+"""The quick pass's sizes where the transport is measured with device memory (NCCL), in the order
+timed: both ends first, so that a pass that runs out of `QUICK_DEVICE_BUDGET` (many ranks, slow
+links) still corrects the latency-bound and the bandwidth-bound regime and interpolates between
+them, rather than holding the corrections of 1 MiB for every larger size. A GPU moves
 64 MiB in about the time the host moves 1 MiB, and the engine's own all-reduce (ncclAllReduce)
 runs channels of its own whose cost per byte the library's point-to-point messages, and so the
 model and the smaller sizes, say nothing about: held from 4 MiB, the corrections made `auto` pick
@@ -220,9 +223,10 @@ def measure(
     the segment size of the buffers it is measured with), because that is the selector they will
     correct: predicted with another segment size, they would be off by its difference in messages.
 
-    With a `budget` (seconds), no further size is started once the slowest rank has spent it; the
-    tuning then covers the sizes measured (every rank stops after the same size: they compare the
-    same all-reduced time)."""
+    Sizes are measured in the order given; the tuning lists them in ascending order. With a
+    `budget` (seconds), no further size is started once the slowest rank has spent it; the tuning
+    then covers the sizes measured (every rank stops after the same size: they compare the same
+    all-reduced time)."""
     selector = comm._new_selector(costs)
     clock = comm.clock
     began = clock()
@@ -250,9 +254,10 @@ def measure(
         if budget is not None and comm.allreduce(np.array([clock() - began]), op="max")[0] > budget:
             measured = index + 1
             break
+    order = sorted(range(measured), key=sizes.__getitem__)
     return Tuning(
-        tuple(sizes[:measured]),
-        {a: tuple(r[:measured]) for a, r in ratios.items() if any(x is not None for x in r)},
+        tuple(sizes[i] for i in order),
+        {a: tuple(r[i] for i in order) for a, r in ratios.items() if any(x is not None for x in r)},
     )
 
 
