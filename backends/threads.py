@@ -72,6 +72,9 @@ class ThreadFabric:
         self._meetings: dict[tuple[str, int], dict[int, tuple[np.ndarray, LockRequest, Receive]]] = {}
         """Engine calls under way, by (what, tag): each arrived rank's contribution, request and
         receive function."""
+        self._abandoned: dict[tuple[str, int], set[int]] = {}
+        """The ranks that had arrived at engine calls an abort or a close withdrew, so that a rank
+        timing out at the same moment still names the rank that never came (`arrived`)."""
 
     def endpoint(self, rank: int) -> ThreadTransport:
         """The transport of one rank."""
@@ -130,9 +133,10 @@ class ThreadFabric:
         return request
 
     def arrived(self, what: str, tag: int) -> set[int]:
-        """The ranks waiting in the engine call `what` of the collective at `tag`."""
+        """The ranks waiting in the engine call `what` of the collective at `tag` (or that were
+        waiting in it when an abort withdrew it)."""
         with self._lock:
-            return set(self._meetings.get((what, tag), ()))
+            return set(self._meetings.get((what, tag), ())) | self._abandoned.get((what, tag), set())
 
     def _withdraw_meetings(self, reached: Callable[[LockRequest], bool]) -> list[LockRequest]:
         """Take the requests of unfinished engine calls that `reached` picks (lock held)."""
@@ -141,6 +145,7 @@ class ThreadFabric:
             requests = [request for _, request, _ in arrived.values()]
             if any(reached(request) for request in requests):
                 del self._meetings[key]
+                self._abandoned[key] = set(arrived)
                 withdrawn.extend(requests)
         return withdrawn
 

@@ -181,6 +181,20 @@ def test_abort_wakes_pending_requests_and_fails_later_posts(error: BaseException
         later.wait(0)
 
 
+def test_the_ranks_waiting_in_an_agreement_are_known_after_an_abort() -> None:
+    """Ranks waiting in the header agreement stay known as waiting when an abort withdraws it: a
+    rank timing out at the moment a peer aborts must still name the rank that never came, not
+    every rank (the abort had erased that, and a 4-rank timeout test failed one run in ten)."""
+    world = fabric(4)
+    digest, result = np.zeros(2, np.int64), np.zeros(2, np.int64)
+    requests = [world.endpoint(rank).start_agreement(digest, result, 64) for rank in (0, 1, 2)]
+    assert world.endpoint(2).waiting_ranks(64) == {0, 1}
+    world.abort(0, RuntimeError("rank 3 did not reach this collective"))
+    assert all(request.test() for request in requests)
+    assert world.endpoint(2).waiting_ranks(64) == {0, 1}
+    assert world.endpoint(2).waiting_ranks(128) == set()
+
+
 def test_first_abort_wins() -> None:
     """A second abort does not replace the first cause."""
     world = fabric(2)
