@@ -174,20 +174,35 @@ def test_launcher_names_the_rank_that_failed_first(tmp_path: Path) -> None:
 
 def test_launcher_continues_a_stopped_rank_before_terminating_it(tmp_path: Path) -> None:
     """Rank 1 is stopped (SIGSTOP) when rank 0 fails: the launcher sends SIGCONT with SIGTERM,
-    so rank 1 handles the SIGTERM (it says so) instead of waiting, stopped, to be killed."""
+    so rank 1 handles the SIGTERM (it says so) instead of waiting, stopped, to be killed. Rank 0
+    fails only once rank 1 is seen stopped: after a fixed delay instead, on a loaded machine the
+    launcher's SIGCONT sometimes came before rank 1 had stopped itself, which then stayed stopped."""
+    pid_file = tmp_path / "rank1.pid"
     result = launch_script(
         tmp_path,
-        """
-        import os, signal, sys, time
+        f"""
+        import os, pathlib, signal, sys, time
         rank = int(os.environ["COLLECTIVES_RANK"])
+        pid_file = pathlib.Path({str(pid_file)!r})
         if rank == 1:
             def terminated(signum, frame):
                 print("rank 1 got SIGTERM", flush=True)
                 sys.exit(0)
             signal.signal(signal.SIGTERM, terminated)
+            pid_file.write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(60)
-        time.sleep(1.0)
+
+        def rank1_stopped():
+            try:
+                stat = pathlib.Path(f"/proc/{{pid_file.read_text()}}/stat").read_text()
+            except (OSError, ValueError):
+                return False
+            return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+        deadline = time.monotonic() + 30
+        while not rank1_stopped() and time.monotonic() < deadline:
+            time.sleep(0.01)
         sys.exit(1)
         """,
         "-n",
