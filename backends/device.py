@@ -257,6 +257,15 @@ def runtime() -> Runtime:
     return _RUNTIME.get()
 
 
+def copy_after_queued(dst: Any, src: Any) -> None:
+    """Copy `src` into `dst` (either or both device memory) once the kernels queued so far on the
+    current stream of each device side have run, and return when the copy has finished. That
+    stream may still use the memory: a caller's buffer being computed, or memory the allocator has
+    just handed out again (freed memory is reused at once, safely only on the freeing stream)."""
+    gpu = runtime()
+    gpu.copy(dst, src, (gpu.ready(dst), gpu.ready(src)))
+
+
 def use_runtime(replacement: Runtime | None) -> Runtime | None:
     """Make `replacement` the active runtime (None: CuPy's again, on next use); returns the one it
     replaces. The seam through which tests run the device paths on a fake GPU."""

@@ -56,7 +56,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from .base import AgreesThrough, Buffer, PostedRequest, Request, Transport, check_buffer
-from .device import Event, cupy_module, default_device, gpu_unavailable_reason, is_device, runtime
+from .device import (
+    Event,
+    copy_after_queued,
+    cupy_module,
+    default_device,
+    gpu_unavailable_reason,
+    is_device,
+    runtime,
+)
 from .errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, PeerLostError
 from .matching import Matcher, check
 from .seam import Seam
@@ -761,7 +769,7 @@ class NcclTransport(AgreesThrough):
             gpu = runtime()
             on_device = [buf if is_device(buf) else self.measurement_buffer(buf.size, buf.dtype) for buf in (src, dst)]
             if not is_device(src):
-                gpu.copy(on_device[0], src, (gpu.ready(on_device[0]),))
+                copy_after_queued(on_device[0], src)
             self.native_allreduce(on_device[0], on_device[1], op, timeout=timeout, tag=tag)
             if not is_device(dst):
                 gpu.copy(dst, on_device[1], ())

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .base import AgreesThrough, Buffer, Consume, Request, Transport
-from .device import is_device, runtime
+from .device import copy_after_queued, is_device, runtime
 from .errors import CollectiveError
 
 DEFAULT_POOL_BYTES = 256 << 20
@@ -221,7 +221,7 @@ class StagedTransport(AgreesThrough):
         """
         gpu = runtime()
         target = device if consume is None else gpu.empty(device.size, device.dtype, device)
-        gpu.copy(target, _typed(host, device), (gpu.ready(target),))
+        copy_after_queued(target, _typed(host, device))
         if consume is not None:
             consume(target)
             gpu.synchronize(device)
@@ -229,9 +229,8 @@ class StagedTransport(AgreesThrough):
     def _stage_out(self, buf: Buffer) -> np.ndarray:
         """A pinned host copy of a device buffer, taken after the kernels queued so far on the
         caller's stream and finished when this returns."""
-        gpu = runtime()
         host = self.pool.take(buf.nbytes)
-        gpu.copy(_typed(host, buf), buf, (gpu.ready(buf),))
+        copy_after_queued(_typed(host, buf), buf)
         return host
 
     # -- the engine's own collectives -------------------------------------------------------------
@@ -247,7 +246,7 @@ class StagedTransport(AgreesThrough):
         host_dst = dst if staged_dst is None else _typed(staged_dst, dst)
         self.inner.native_allreduce(host_src, host_dst, op, timeout=timeout, tag=tag)
         if staged_dst is not None:
-            runtime().copy(dst, host_dst, (runtime().ready(dst),))
+            copy_after_queued(dst, host_dst)
             self.pool.give(staged_dst)
         if staged_src is not None:
             self.pool.give(staged_src)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator, Work
-from collectives.backends.device import runtime
+from collectives.backends.device import copy_after_queued
 from collectives.core.arrays import array_module, is_device
 from collectives.ps_tasks import job_for
 from collectives.timeline import COMMUNICATION, Timeline
@@ -195,6 +195,5 @@ def _copy_into(target: Any, source: Any) -> None:
     bucket: ordered after the kernels queued on the device side, finished on return)."""
     if is_device(target) == is_device(source):
         target[...] = source
-        return
-    gpu = runtime()
-    gpu.copy(target, source, (gpu.ready(target if is_device(target) else source),))
+    else:
+        copy_after_queued(target, source)
