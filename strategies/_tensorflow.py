@@ -76,6 +76,13 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
+def as_input(value: Any) -> Any:
+    """`value` (a tensor, variable, array or number) as a tensor; a tensor as it is, since
+    `tf.convert_to_tensor` costs a few microseconds even then, a tenth of a small all-reduce."""
+    tf = tensorflow()
+    return value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value)
+
+
 def as_array(tensor: Any) -> np.ndarray:
     """A CPU tensor's memory as a read-only numpy array, without the copy `tensor.numpy()` makes."""
     return np.asarray(tensor)

@@ -144,6 +144,7 @@ def announced_allreduce(
     """
     if comm.size == 1:
         return comm.allreduce(array, op, algorithm, out)
+    op = ReduceOp.parse(op)
     flat = flat_view(array)
     record = _new_record(comm)
     record[_STATE], record[_KIND] = _ACTIVE, _ALLREDUCE
@@ -157,18 +158,17 @@ def announced_allreduce(
     record[_KIND] = _CARRIED
     record[_RECORD_WORDS:].view(np.uint8)[: flat.nbytes] = flat.view(np.uint8)
     _settle_promise(comm)
-    records = _announce_agreed(comm, record)
-    _reduce_carried(records, ReduceOp.parse(op), comm.size, target)
+    records, training = _announce_agreed(comm, record)
+    _reduce_carried(records, training, op, target)
     return copy_back(result, target)
 
 
-def _reduce_carried(records: np.ndarray, op: ReduceOp, size: int, out: np.ndarray) -> None:
-    """`out` = `op` over the data that the records of the ranks still training carry, in rank
-    order (mean divides by `size`, as every all-reduce here does)."""
-    training = np.flatnonzero(records[:, _STATE] == _ACTIVE)
-    data = [records[rank, _RECORD_WORDS:].view(np.uint8)[: out.nbytes].view(out.dtype) for rank in training]
-    combine_in_order(op, data, out)
-    finalize(op, out, size)
+def _reduce_carried(records: np.ndarray, training: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
+    """`out` = `op` over the data that the records of the ranks still `training` carry, in rank
+    order (mean divides by the number of ranks, as every all-reduce here does)."""
+    carried = records[:, _RECORD_WORDS:].view(np.uint8)[:, : out.nbytes].view(out.dtype)
+    combine_in_order(op, carried if training.size == len(records) else carried[training], out)
+    finalize(op, out, len(records))
 
 
 def announced_digests(comm: Communicator, digest: bytes) -> np.ndarray:
@@ -207,8 +207,7 @@ class AnnouncedSteps:
         kept = _settle_promise(self.comm)
         if kept is self:
             return
-        records = _announce_agreed(self.comm, self._record)
-        training = np.flatnonzero(records[:, _STATE] == _ACTIVE)
+        records, training = _announce_agreed(self.comm, self._record)
         if training.size < self.comm.size:
             self.comm.broadcast(self.rows, int(training[0]))
 
@@ -301,11 +300,13 @@ def _announce(comm: Communicator, record: np.ndarray) -> np.ndarray:
     return comm.allgather(record).reshape(comm.size, -1)
 
 
-def _announce_agreed(comm: Communicator, record: np.ndarray) -> np.ndarray:
-    """`_announce`, checking that the ranks still training announced the same as this one."""
+def _announce_agreed(comm: Communicator, record: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_announce`, checking that the ranks still training announced the same as this one; the
+    records and the ranks still training."""
     records = _announce(comm, record)
-    _agreed_plan(comm, records, np.flatnonzero(records[:, _STATE] == _ACTIVE))
-    return records
+    training = np.flatnonzero(records[:, _STATE] == _ACTIVE)
+    _agreed_plan(comm, records, training)
+    return records, training
 
 
 def _agreed_plan(comm: Communicator, records: np.ndarray, training: np.ndarray) -> np.ndarray:
@@ -314,10 +315,10 @@ def _agreed_plan(comm: Communicator, records: np.ndarray, training: np.ndarray) 
     They must agree in every word but state and fresh (and the data an all-reduce carries), except
     in the digest of a fingerprint check, which the check itself compares."""
     first = training[0]
-    compared = records[training, _KIND : _DIGEST if records[first, _KIND] == _CHECK else _RECORD_WORDS]
-    agreeing = (compared == compared[0]).all(axis=1)
-    if not agreeing.all():
-        other = training[np.argmin(agreeing)]
+    rows = records if training.size == len(records) else records[training]  # a view while no rank has joined
+    compared = rows[:, _KIND : _DIGEST if records[first, _KIND] == _CHECK else _RECORD_WORDS]
+    if not (compared == compared[0]).all():
+        other = training[np.argmin((compared == compared[0]).all(axis=1))]
         joined = " (joined)" if records[comm.rank, _STATE] == _JOINED else ""
         raise MismatchError(
             f"rank {comm.rank}{joined}: ranks {first} and {other} announced different collectives: "

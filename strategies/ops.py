@@ -30,7 +30,16 @@ from collectives import Communicator
 from collectives.core.layout import even_bounds
 from collectives.core.ops import ReduceOp
 
-from ._tensorflow import as_array, as_operand, as_tensor, communicator, output_like, tape_recording, tensorflow
+from ._tensorflow import (
+    as_array,
+    as_input,
+    as_operand,
+    as_tensor,
+    communicator,
+    output_like,
+    tape_recording,
+    tensorflow,
+)
 from .aggregator import variable_name
 from .fingerprint import check_same_everywhere, describe
 from .joining import announced_allreduce
@@ -48,7 +57,7 @@ def allreduce(
     tf = tensorflow()
     comm = communicator(comm)
     op = reduce_op(op)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = as_input(tensor)
 
     def reduce(a: np.ndarray) -> np.ndarray:
         return announced_allreduce(comm, a, op, algorithm, out=output_like(a))
@@ -72,7 +81,7 @@ def grouped_allreduce(
     tf = tensorflow()
     comm = communicator(comm)
     op = reduce_op(op)
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [as_input(t) for t in tensors]
     if not tensors:
         return []
 
@@ -123,7 +132,7 @@ def allgather(tensor: Any, comm: Communicator | None = None) -> Any:
     may differ between ranks, as with Horovod's allgather). Differentiable."""
     tf = tensorflow()
     comm = communicator(comm)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = as_input(tensor)
     shape = [None, *tensor.shape[1:]] if tensor.shape.rank else [None]
 
     def forward(x: Any) -> Any:
@@ -144,7 +153,7 @@ def broadcast(tensor: Any, root: int = 0, comm: Communicator | None = None) -> A
     rank's gradient, the other ranks zeros."""
     tf = tensorflow()
     comm = communicator(comm)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = as_input(tensor)
 
     def copy_from_root(a: np.ndarray) -> np.ndarray:
         return comm.broadcast(a, root=root, out=output_like(a))
@@ -173,7 +182,7 @@ def alltoall(tensor: Any, splits: Any = None, comm: Communicator | None = None) 
     """
     tf = tensorflow()
     comm = communicator(comm)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = as_input(tensor)
     if tensor.shape.rank == 0:
         raise ValueError(f"rank {comm.rank}: alltoall needs a tensor with at least one dimension to split")
     if splits is None:
@@ -207,7 +216,7 @@ def reduce_scatter(tensor: Any, op: str | ReduceOp = "sum", comm: Communicator |
     tf = tensorflow()
     comm = communicator(comm)
     op = reduce_op(op)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = as_input(tensor)
     if tensor.shape.rank == 0:
         raise ValueError(f"rank {comm.rank}: reduce_scatter needs a tensor with at least one dimension to split")
     rows = None

@@ -34,16 +34,21 @@ class ReduceOp(str, enum.Enum):
 
     @classmethod
     def parse(cls, op: str | ReduceOp) -> ReduceOp:
-        """Accept a ReduceOp or its name, case-insensitively, with a clear error otherwise."""
+        """Accept a ReduceOp or its name, case-insensitively, with a clear error otherwise.
+
+        Names are looked up: every collective parses its op, and calling the enum takes several
+        times as long."""
         if isinstance(op, ReduceOp):
             return op
         if isinstance(op, str):
-            try:
-                return cls(op.lower())
-            except ValueError:
-                pass
+            found = _BY_NAME.get(op) or _BY_NAME.get(op.lower())
+            if found is not None:
+                return found
         names = ", ".join(repr(o.value) for o in cls)
         raise ValueError(f"unknown reduction op {op!r}; expected one of {names}")
+
+
+_BY_NAME: dict[str, ReduceOp] = {op.value: op for op in ReduceOp}
 
 
 REDUCTION_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
