@@ -13,10 +13,12 @@ Starts the ranks of a job on this machine, like `horovodrun` or `torchrun`:
 Every line a rank prints is passed on whole, prefixed with "[rank]": its standard output to the
 launcher's, its standard error to the launcher's. If a rank exits non-zero, the others get a moment
 to fail by themselves (after an abort they do within milliseconds) and are then stopped (SIGCONT, so
-that a stopped rank can act on it, then SIGTERM, then SIGKILL). The rank that failed first is
-reported: the one whose error (a traceback, or the library's "collective failed" line) came first,
-else the first to exit non-zero by itself; its last lines are shown again, and the launcher exits
-with its code. Only processes this launcher started are ever signalled.
+that a stopped rank can act on it, then SIGTERM; a rank still running 5 s later is killed, and the
+launcher says what Linux reports of it: a SIGTERM handler that returned, a blocked signal, a
+process stuck in the kernel). The rank that failed first is reported: the one whose error (a
+traceback, or the library's "collective failed" line) came first, else the first to exit non-zero
+by itself; its last lines are shown again, and the launcher exits with its code. Only processes
+this launcher started are ever signalled.
 """
 
 from __future__ import annotations
@@ -315,10 +317,44 @@ def _stop_all(ranks: list[_Rank]) -> None:
         try:
             rank.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            print(
+                f"collectives.launch: {rank.label.strip()} (pid {rank.process.pid}) did not exit within "
+                f"{_STOP_GRACE_SECONDS:g} s of SIGTERM{_signal_state(rank.process.pid)}; killing it",
+                file=sys.stderr,
+                flush=True,
+            )
             rank.stop(signal.SIGKILL)
             rank.process.wait()
         rank.poll()
         rank.join_output()
+
+
+def _signal_state(pid: int) -> str:
+    """What Linux says of a process that outlived SIGTERM (its state, and whether SIGTERM is still
+    pending, blocked, ignored or caught by a handler that did not exit), as ", it was ..."; empty
+    where /proc cannot tell. It says why a rank would not stop: a handler that returns, a blocked
+    signal, a process stuck in the kernel (state D) or stopped (T)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+    except OSError:
+        return ""
+
+    def has_sigterm(*masks: str) -> bool:
+        return any(int(fields.get(mask, "0").strip() or "0", 16) >> (signal.SIGTERM - 1) & 1 for mask in masks)
+
+    how = [
+        words
+        for words, masks in (
+            ("pending", ("SigPnd", "ShdPnd")),
+            ("blocked", ("SigBlk",)),
+            ("ignored", ("SigIgn",)),
+            ("caught by a handler", ("SigCgt",)),
+        )
+        if has_sigterm(*masks)
+    ]
+    state = fields.get("State", "?").strip()
+    return f", it was {state} with SIGTERM {', '.join(how) or 'neither pending, blocked, ignored nor caught'}"
 
 
 def build_parser() -> argparse.ArgumentParser:

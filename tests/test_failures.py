@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -210,6 +211,39 @@ def test_launcher_continues_a_stopped_rank_before_terminating_it(tmp_path: Path)
     )
     assert "[1] rank 1 got SIGTERM" in result.stdout, result.stdout + result.stderr
     assert result.returncode == 1
+
+
+def test_launcher_says_why_it_kills_a_rank_that_outlives_sigterm(tmp_path: Path) -> None:
+    """Rank 1's SIGTERM handler returns instead of exiting: once the grace has passed, the launcher
+    kills it and says so, naming the rank and what Linux said of it, and still reports rank 0's
+    failure and exit code."""
+    ready_file = tmp_path / "rank1.ready"
+    result = launch_script(
+        tmp_path,
+        f"""
+        import os, pathlib, signal, sys, time
+        rank = int(os.environ["COLLECTIVES_RANK"])
+        ready_file = pathlib.Path({str(ready_file)!r})
+        if rank == 1:
+            signal.signal(signal.SIGTERM, lambda signum, frame: print("rank 1 ignores SIGTERM", flush=True))
+            ready_file.write_text("ready")
+            time.sleep(60)
+        deadline = time.monotonic() + 30
+        while not ready_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sys.exit(4)
+        """,
+        "-n",
+        "2",
+    )
+    report = result.stdout + result.stderr
+    assert "[1] rank 1 ignores SIGTERM" in result.stdout, report
+    assert re.search(
+        r"collectives\.launch: \[1\] \(pid \d+\) did not exit within 5 s of SIGTERM, it was S \(sleeping\) "
+        r"with SIGTERM caught by a handler; killing it",
+        result.stderr,
+    ), report
+    assert result.returncode == 4, report
 
 
 def test_launcher_keeps_lines_whole(tmp_path: Path) -> None:
