@@ -78,7 +78,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def as_input(value: Any) -> Any:
     """`value` (a tensor, variable, array or number) as a tensor; a tensor as it is, since
-    `tf.convert_to_tensor` costs a few microseconds even then, a tenth of a small all-reduce."""
+    `tf.convert_to_tensor` costs microseconds even then, on every call of a small all-reduce."""
     tf = tensorflow()
     return value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value)
 
