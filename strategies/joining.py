@@ -167,8 +167,14 @@ def _reduce_carried(records: np.ndarray, training: np.ndarray, op: ReduceOp, out
     """`out` = `op` over the data that the records of the ranks still `training` carry, in rank
     order (mean divides by the number of ranks, as every all-reduce here does)."""
     carried = records[:, _RECORD_WORDS:].view(np.uint8)[:, : out.nbytes].view(out.dtype)
-    combine_in_order(op, carried if training.size == len(records) else carried[training], out)
+    combine_in_order(op, _training_rows(carried, training), out)
     finalize(op, out, len(records))
+
+
+def _training_rows(rows: np.ndarray, training: np.ndarray) -> np.ndarray:
+    """The rows (one per rank) of the ranks still `training`: all of them, as they are, while no
+    rank has joined; a copy of those picked only once one has."""
+    return rows if training.size == len(rows) else rows[training]
 
 
 def announced_digests(comm: Communicator, digest: bytes) -> np.ndarray:
@@ -315,10 +321,11 @@ def _agreed_plan(comm: Communicator, records: np.ndarray, training: np.ndarray) 
     They must agree in every word but state and fresh (and the data an all-reduce carries), except
     in the digest of a fingerprint check, which the check itself compares."""
     first = training[0]
-    rows = records if training.size == len(records) else records[training]  # a view while no rank has joined
-    compared = rows[:, _KIND : _DIGEST if records[first, _KIND] == _CHECK else _RECORD_WORDS]
-    if not (compared == compared[0]).all():
-        other = training[np.argmin((compared == compared[0]).all(axis=1))]
+    end = _DIGEST if records[first, _KIND] == _CHECK else _RECORD_WORDS
+    compared = _training_rows(records, training)[:, _KIND:end]
+    equal = compared == compared[0]
+    if not equal.all():
+        other = training[np.argmin(equal.all(axis=1))]
         joined = " (joined)" if records[comm.rank, _STATE] == _JOINED else ""
         raise MismatchError(
             f"rank {comm.rank}{joined}: ranks {first} and {other} announced different collectives: "
