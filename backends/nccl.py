@@ -193,10 +193,14 @@ class CupyNccl:
         return uid if self._ids_are_bytes else bytes(value & 0xFF for value in uid)
 
     def connect(self, size: int, uid: bytes, rank: int, device_id: int) -> Engine:
+        return _CupyEngine(self, self.communicator(size, uid, rank, device_id), device_id)
+
+    def communicator(self, size: int, uid: bytes, rank: int, device_id: int) -> Any:
+        """A bare `cupy.cuda.nccl.NcclCommunicator` (blocks until all `size` ranks have joined):
+        what `connect` wraps, and what `bench`'s `raw` row calls with nothing around it."""
         handle: Any = uid if self._ids_are_bytes else tuple(np.frombuffer(uid, np.int8))
         with self._cupy.cuda.Device(device_id):
-            communicator = self._nccl.NcclCommunicator(size, handle, rank)
-            return _CupyEngine(self, communicator, device_id)
+            return self._nccl.NcclCommunicator(size, handle, rank)
 
     def scratch(self, nbytes: int, device_id: int) -> Buffer:
         with self._cupy.cuda.Device(device_id):

@@ -22,8 +22,8 @@ traceback from every rank. What each command does is in `collectives.bench.comma
 `--device cuda` puts every rank's buffers on the GPU (CuPy; thread ranks on the current device,
 launched ranks on the GPU of their local rank): threads copy device to device, MPI and gRPC stage through
 pinned host memory. `--backend nccl` (launched ranks, NCCL over gRPC) always measures device
-buffers, and adds NCCL's own all-reduce as `native`. Without CuPy or a GPU it stops with one line
-saying which is missing.
+buffers, and adds NCCL's own all-reduce as `native` (through the library) and `raw` (straight
+through CuPy). Without CuPy or a GPU it stops with one line saying which is missing.
 """
 
 from __future__ import annotations
@@ -143,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-a",
         "--algorithms",
         default=None,
-        help=f"comma-separated all-reduce algorithms from auto,{','.join(allreduce_algorithms())},{NATIVE} "
-        f"(native: MPI only); default {','.join(default_allreduce())} (+native on MPI); the other "
+        help=f"comma-separated all-reduce algorithms from auto,{','.join(allreduce_algorithms())},{NATIVE},{RAW} "
+        f"(native: the engine's all-reduce through the library, MPI and NCCL only; raw: the same "
+        f"engine call with no library around it); default {','.join(default_allreduce())} "
+        f"(+native,raw on MPI and NCCL); the other "
         f"collectives have one algorithm each ({', '.join(f'{c}: {a}' for c, a in FIXED_ALGORITHM.items())}; "
         f"native on nccl, and allgather on mpi)",
     )
@@ -271,7 +273,7 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         mpi_gathers = args.backend == "mpi" and collective == "allgather" and device == "cpu"
         default = (NATIVE if args.backend == "nccl" or mpi_gathers else FIXED_ALGORITHM[collective],)
         known = set(default)
-    if device == "cpu" and raw_row_fits(args.backend, collective, args.op or "sum", args.dtype):
+    if raw_row_fits(args.backend, device, collective, args.op or "sum", args.dtype):
         default = (*default, RAW)
         known.add(RAW)
     algorithms = asked_algorithms(args, ranks, known) or default

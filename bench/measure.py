@@ -16,7 +16,8 @@ Outputs are poisoned (zeroed: no correct value is zero) before every iteration, 
 that writes nothing cannot pass on the previous one's result; `wrong` counts elements that differ
 from the exact expected result (`collectives.bench.payloads`), summed over ranks and iterations.
 
-On MPI, a `raw` row times MPI's own all-reduce called straight through mpi4py (`collectives.bench.raw`).
+On MPI and NCCL, a `raw` row times the engine's own all-reduce called straight, through mpi4py or
+CuPy (`collectives.bench.raw`).
 
 With `device="cuda"` the input and output buffers are CuPy arrays on the current GPU; a call's
 time then includes its GPU work (a collective on device buffers returns once that has finished),
@@ -131,7 +132,7 @@ class _Buffers:
         )
         block = count // size
         self.mine = slice(rank * block, (rank + 1) * block)
-        self.raw: Callable[[np.ndarray, np.ndarray], None] | None = None
+        self.raw = raw_allreduce(comm, spec.op, spec.device == "cuda") if RAW in spec.algorithms else None
 
     def refill(self, placement: str) -> None:
         """Untimed: poison the output and, in place, restore the input the last call overwrote."""
@@ -154,9 +155,7 @@ class _Buffers:
             src, out = self.large[self.mine], self.large
         else:
             src, out = self.large, self.large
-        if algorithm == RAW:
-            if self.raw is None:
-                self.raw = raw_allreduce(spec.op)
+        if algorithm == RAW and self.raw is not None:
             self.raw(src, out)
             return out
         if collective == "allreduce":

@@ -1,11 +1,16 @@
-"""The `raw` row: the MPI library's own all-reduce called straight through mpi4py, beside ours.
+"""The `raw` row: the engine's own all-reduce called straight, with no library code around it.
 
-On `--backend mpi` every size gets a row timed exactly like the library's (same buffers, same
-barrier before each call, slowest rank, median), where each rank calls `MPI_Allreduce` on a
-duplicate of `MPI.COMM_WORLD` with no library code around it. Its time is the floor any all-reduce
-through the library can reach; `native` (the same MPI call through a `Communicator`) against
-`raw` is the library's per-call overhead, and `auto` against `raw` is what a user pays or gains
-for using the library instead of mpi4py.
+- On `--backend mpi` (host buffers) each rank calls `MPI_Allreduce` through mpi4py on a duplicate
+  of `MPI.COMM_WORLD`.
+- On `--backend nccl` (device buffers) each rank calls `ncclAllReduce` through CuPy's
+  `NcclCommunicator`, on a communicator of its own, on the current stream, and waits for that
+  stream: like the library's calls on device buffers, it returns once the GPU work is done.
+
+Every size gets the row, timed exactly like the library's (same buffers, same barrier before each
+call, slowest rank, median). Its time is the floor any all-reduce through the library can reach;
+`native` (the same engine call through a `Communicator`) against `raw` is the library's per-call
+overhead, and `auto` against `raw` is what a user pays or gains for using the library instead of
+the engine alone.
 """
 
 from __future__ import annotations
@@ -15,24 +20,45 @@ from typing import Any
 
 import numpy as np
 
+from collectives import Communicator
+
 RAW = "raw"
 """The row's name, given with -a like an algorithm."""
 
 RAW_OPS = ("sum", "max", "min", "prod")
-RAW_DTYPES = ("float32", "float64", "int32", "int64")
-"""What mpi4py maps onto MPI by itself (no mean; float16 only where MPI has it)."""
+RAW_DTYPES = {
+    ("mpi", "cpu"): ("float32", "float64", "int32", "int64"),
+    ("nccl", "cuda"): ("float16", "float32", "float64", "int32", "int64"),
+}
+"""Per (backend, device), what its engine reduces as it is: no mean, float16 only where the
+engine has it. MPI's row is for host buffers (device ones are staged), NCCL's for device ones."""
 
-_engine: Any = None
+RawAllreduce = Callable[[Any, Any], None]
+"""out = op over all ranks of src (in place when out is src)."""
+
+_engines: dict[str, Any] = {}
+"""This process's engine communicators, each made once: MPI's duplicate, NCCL's own."""
 
 
-def raw_allreduce(op: str) -> Callable[[np.ndarray, np.ndarray], None]:
-    """out = op over all ranks of src by MPI_Allreduce (in place when out is src)."""
-    global _engine
+def raw_row_fits(backend: str, device: str, collective: str, op: str, dtype: str) -> bool:
+    """Whether a sweep gets a `raw` row by default: an all-reduce the engine can do as it is."""
+    return collective == "allreduce" and op in RAW_OPS and dtype in RAW_DTYPES.get((backend, device), ())
+
+
+def raw_allreduce(comm: Communicator, op: str, on_device: bool) -> RawAllreduce:
+    """The engine's all-reduce for `comm`'s ranks: NCCL's for device buffers, else MPI's.
+
+    Collective on first use (every rank of `comm` calls it at the same point).
+    """
+    return _nccl_allreduce(comm, op) if on_device else _mpi_allreduce(op)
+
+
+def _mpi_allreduce(op: str) -> RawAllreduce:
     from mpi4py import MPI
 
-    if _engine is None:
-        _engine = MPI.COMM_WORLD.Dup()
-    engine = _engine
+    engine = _engines.get("mpi")
+    if engine is None:
+        engine = _engines["mpi"] = MPI.COMM_WORLD.Dup()
     mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
 
     def run(src: np.ndarray, out: np.ndarray) -> None:
@@ -41,6 +67,24 @@ def raw_allreduce(op: str) -> Callable[[np.ndarray, np.ndarray], None]:
     return run
 
 
-def raw_row_fits(backend: str, collective: str, op: str, dtype: str) -> bool:
-    """Whether a sweep gets a `raw` row by default: an MPI all-reduce mpi4py can do as it is."""
-    return backend == "mpi" and collective == "allreduce" and op in RAW_OPS and dtype in RAW_DTYPES
+def _nccl_allreduce(comm: Communicator, op: str) -> RawAllreduce:
+    import cupy
+    from cupy.cuda import nccl
+
+    from collectives.backends.nccl import UID_BYTES, CupyNccl
+
+    engine = _engines.get("nccl")
+    if engine is None:
+        library = CupyNccl()
+        uid = np.frombuffer(library.unique_id(), np.uint8) if comm.rank == 0 else np.zeros(UID_BYTES, np.uint8)
+        shared = cupy.asnumpy(comm.broadcast(cupy.asarray(uid), root=0)).tobytes()
+        engine = _engines["nccl"] = library.communicator(comm.size, shared, comm.rank, cupy.cuda.Device().id)
+    nccl_op = getattr(nccl, f"NCCL_{op.upper()}")
+
+    def run(src: Any, out: Any) -> None:
+        stream = cupy.cuda.get_current_stream()
+        nccl_type = getattr(nccl, f"NCCL_{src.dtype.name.upper()}")
+        engine.allReduce(src.data.ptr, out.data.ptr, src.size, nccl_type, nccl_op, stream.ptr)
+        stream.synchronize()
+
+    return run

@@ -367,11 +367,12 @@ def test_bucket_overlap_model() -> None:
     assert model.exposed_seconds(lambda nbytes: 0.05) == pytest.approx(0.05)
 
 
-def test_mpi_sweeps_time_mpi_itself_beside_the_library() -> None:
-    """On MPI an all-reduce sweep gets a `raw` row (MPI_Allreduce through mpi4py) by default,
-    except for what mpi4py cannot reduce as it is (mean, float16); elsewhere it is refused."""
+def test_mpi_sweeps_time_mpi_itself_beside_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On MPI an all-reduce sweep of host buffers gets a `raw` row (MPI_Allreduce through mpi4py) by
+    default, except for what mpi4py cannot reduce as it is (mean, float16); elsewhere it is refused."""
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
     assert cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi"]), 2).algorithms[-2:] == ("native", "raw")
-    for options in (["-o", "mean"], ["-d", "float16"], ["-c", "broadcast"]):
+    for options in (["-o", "mean"], ["-d", "float16"], ["-c", "broadcast"], ["--device", "cuda"]):
         spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi", *options]), 2)
         assert "raw" not in spec.algorithms, options
     with pytest.raises(cli.UsageError, match="raw"):
@@ -379,11 +380,15 @@ def test_mpi_sweeps_time_mpi_itself_beside_the_library() -> None:
 
 
 def test_nccl_sweeps_measure_device_buffers_with_nccls_own_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--backend nccl` always measures CuPy buffers; all-reduce adds native, and the other
-    collectives are NCCL's own (labelled native). No GPU is needed to plan the sweep."""
+    """`--backend nccl` always measures CuPy buffers; all-reduce adds native and raw (NCCL's
+    all-reduce straight through CuPy, as far as NCCL reduces the op and dtype as they are), and the
+    other collectives are NCCL's own (labelled native). No GPU is needed to plan the sweep."""
     monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
     spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "nccl"]), 2)
-    assert spec.device == "cuda" and spec.algorithms[-1] == "native" and "raw" not in spec.algorithms
+    assert spec.device == "cuda" and spec.algorithms[-2:] == ("native", "raw")
+    halves = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "nccl", "-d", "float16"]), 2)
+    means = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "nccl", "-o", "mean"]), 2)
+    assert halves.algorithms[-1] == "raw" and means.algorithms[-1] == "native"
     for collective in ("reduce_scatter", "allgather", "broadcast"):
         spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "nccl", "-c", collective]), 2)
         assert spec.algorithms == ("native",), collective
