@@ -39,6 +39,13 @@ join (a killed peer leaves a blocked `ncclRecv` that only `ncclCommAbort` ends);
 communicator is never destroyed. Creating a communicator (`ncclCommInitRank`, which has no
 timeout) runs on a daemon thread joined within the transport's timeout.
 
+Polling sleeps between looks, from 20 us doubling up to 1 ms. A wait for one of NCCL's own
+collectives first busy-polls for `NATIVE_SPIN_SECONDS` (2 ms, yielding the core every 16 polls, as
+the MPI transport's waits do): a small ncclAllReduce takes tens of microseconds, and a sleep that
+begins as it finishes overshoots it several times (`python -m bench`'s `raw` row is the same call
+waited for by `cudaStreamSynchronize`). Point-to-point waits only sleep: their messages are issued
+by this process's progress thread, which needs the GIL that a spinning waiter holds most of the time.
+
 NCCL itself is reached through one seam, `Library` (`library()`, `use_library`): CuPy's by
 default, a fake one in the CPU tests.
 """
@@ -88,6 +95,11 @@ _SHARED_GPU_HINT = (
 """What NCCL's "invalid usage" at communicator creation most often means with this library."""
 
 _FIRST_POLL, _LAST_POLL = 20e-6, 1e-3
+NATIVE_SPIN_SECONDS = 0.002
+"""How long a wait for one of NCCL's own collectives busy-polls before it starts sleeping (see
+"Waiting and failure" above)."""
+_POLLS_PER_YIELD = 16
+_yield = getattr(os, "sched_yield", lambda: None)
 _ENVELOPE_WAIT = 0.2
 """How long the progress thread waits for envelopes before it looks whether to stop."""
 _TEARDOWN_SECONDS = 5.0
@@ -832,7 +844,7 @@ class NcclTransport(AgreesThrough):
                 raise failure
             return False
 
-        _poll_until(finished, deadline, lambda: f"rank {self.rank}: {what} did not complete")
+        _poll_until(finished, deadline, lambda: f"rank {self.rank}: {what} did not complete", NATIVE_SPIN_SECONDS)
 
     def measurement_buffer(self, count: int, dtype: Any) -> Buffer:
         """Device memory on this rank's GPU: what this transport's users send, so what probes and
@@ -889,13 +901,26 @@ class NcclTransport(AgreesThrough):
         self.control.close()
 
 
-def _poll_until(finished: Callable[[], bool], deadline: float | None, timed_out: Callable[[], str]) -> None:
-    """Call `finished` until it is true, sleeping between calls from 20 us up to 1 ms: CUDA events
-    and NCCL's errors can only be polled.
+def _poll_until(
+    finished: Callable[[], bool], deadline: float | None, timed_out: Callable[[], str], spin_seconds: float = 0.0
+) -> None:
+    """Call `finished` until it is true: CUDA events and NCCL's errors can only be polled. For
+    `spin_seconds` without a pause (yielding the core every few calls), then sleeping between
+    calls from 20 us up to 1 ms.
 
     Raises:
         TimeoutError: with the text `timed_out` gives, once `deadline` (monotonic) has passed.
     """
+    if finished():
+        return
+    now = time.monotonic()
+    spin_until = now + spin_seconds
+    while now < spin_until:
+        for _ in range(_POLLS_PER_YIELD):
+            if finished():
+                return
+        _yield()
+        now = time.monotonic()
     pause = _FIRST_POLL
     while not finished():
         if deadline is not None and time.monotonic() >= deadline:

@@ -586,3 +586,19 @@ def test_duplicates_run_side_by_side_from_two_threads(fake_nccl: FakeNccl) -> No
             assert results is not None and len(results) == 20, "a thread did not finish"
             for result in results:
                 np.testing.assert_array_equal(result, np.full(5000, (index + 1) * total, np.float32))
+
+
+def test_a_wait_for_an_nccl_collective_spins_before_it_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within the spin phase completion is seen without a sleep (a sleep overshoots a small
+    ncclAllReduce several times); after it the wait sleeps and still ends at its deadline."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(nccl.time, "sleep", sleeps.append)
+    polls = iter(range(1000))
+    nccl._poll_until(lambda: next(polls) == 999, None, lambda: "never", spin_seconds=60.0)
+    assert sleeps == []
+
+    monkeypatch.undo()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="still pending"):
+        nccl._poll_until(lambda: False, start + 0.05, lambda: "still pending", spin_seconds=0.01)
+    assert 0.05 <= time.monotonic() - start < 2.0
