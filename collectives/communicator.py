@@ -303,7 +303,7 @@ class Communicator:
                 f"rank {self.rank}: native {what} did not complete within {self.timeout:g} s "
                 f"({group.header.decode(errors='replace')}); {group.who_is_missing(None)}",
                 rank=self.rank,
-                peer=-1,
+                peer=group.missing_rank(),
                 tag=group.tags.start,
                 seconds=self.timeout,
             ) from None
@@ -461,9 +461,20 @@ class Communicator:
         return self._start(self._barrier_plan())
 
     def _barrier_plan(self) -> _Plan:
+        """A barrier is one header agreement, which already waits for every rank.
+
+        Where the engine agrees (MPI, threads), its all-reduce of the headers' digests completes
+        only once every rank has contributed, so the barrier runs nothing else. Elsewhere the
+        dissemination barrier runs in place of the agreement's rounds: its messages carry the header
+        through the same gated rounds, and on the algorithm's tags, where a rank that called a
+        collective without rounds of its own (a direct all-reduce) meets them and fails. Either way
+        a barrier costs one round of synchronisation, not two.
+        """
         if self.size == 1:
             return _Local(None)
-        return b"barrier", _run_barrier, False
+        if self._transport.agrees_natively:
+            return b"barrier", _agreement_only, False
+        return b"barrier", _run_barrier, True
 
     def alltoall(self, x: Any, send_counts: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Send rows of `x` to every rank and receive theirs (pairwise exchange).
@@ -737,6 +748,10 @@ result."""
 
 def _run_barrier(group: Group) -> None:
     drive(group, dissemination_barrier_steps(group))
+
+
+def _agreement_only(group: Group) -> None:
+    """Nothing to exchange: the collective is its header agreement (`Communicator._barrier_plan`)."""
 
 
 def alltoall_counts(send_counts: Any, rows: int, rank: int, size: int) -> np.ndarray:

@@ -127,7 +127,8 @@ class Group:
 
         `implied`: the collective's own messages prove the agreement, because every member
         receives a message carrying the header from every other member before it returns (the
-        direct all-reduce of a non-empty buffer; a ring all-gather of one between 2 ranks). The
+        direct all-reduce of a non-empty buffer; a ring all-gather of one between 2 ranks), or
+        its messages run the agreement's own gated rounds (the dissemination barrier). The
         point-to-point `HeaderAgreement` is then left out, which halves the messages of a small
         collective; a rank that called something else still fails on the first message it gets
         from this one, or this one on its. An engine agreement stays: it is one engine collective
@@ -260,10 +261,16 @@ class Group:
             f"{self.timeout:g} s (tag {pending.tag}, {self.header.decode(errors='replace')}); "
             f"{self.who_is_missing(pending.peer)}",
             rank=me,
-            peer=pending.peer,
+            peer=pending.peer if pending.peer != _NO_PEER else self.missing_rank(),
             tag=pending.tag,
             seconds=self.timeout,
         ) from None
+
+    def missing_rank(self) -> int:
+        """The one member known not to have reached this collective, or -1 where none or several
+        are: the peer a timeout of an engine collective, which waits on no rank in particular, blames."""
+        missing = [] if self.agreement is None else self.agreement.missing()
+        return missing[0] if len(missing) == 1 else _NO_PEER
 
     def who_is_missing(self, peer: int | None) -> str:
         """For a timeout's message: which ranks did not reach this collective, as far as this rank
@@ -296,6 +303,9 @@ class Agreement(Protocol):
 
     def announce_waiting(self) -> None:
         """Let the peers know that this rank waits in this collective (before it gives up)."""
+
+    def missing(self) -> list[int]:
+        """The members not known to have reached this collective, as far as this rank knows."""
 
     def who_is_missing(self, peer: int | None) -> str:
         """For a timeout's message: which ranks did not reach this collective."""
@@ -361,6 +371,16 @@ class HeaderAgreement:
         known = group.size if self.done else min(self._distance, group.size)
         return sorted(group.members[(group.rank - back) % group.size] for back in range(known))
 
+    def missing(self) -> list[int]:
+        """The members outside `reached()`, after taking in what arrived while nobody looked (a
+        native all-reduce's wait)."""
+        try:
+            self.progress()
+        except CollectiveError:
+            pass  # a disagreement is reported by the peers that found it; here only arrival matters
+        arrived = self.reached()
+        return [member for member in self._group.members if member not in arrived]
+
     def knows_who_is_missing(self) -> bool:
         """Whether `who_is_missing` can name the missing rank: every rank arrived (then the
         rank waited for is the stuck one), or the predecessor, whose first message is sent as
@@ -375,13 +395,9 @@ class HeaderAgreement:
         predecessor whose first message never came has not started it; beyond that, members
         outside `reached()` are only not known to have.
         """
-        try:
-            self.progress()  # take in what arrived while nobody looked (a native all-reduce's wait)
-        except CollectiveError:
-            pass  # a disagreement is reported by the peers that found it; here only arrival matters
         group = self._group
+        missing = self.missing()
         arrived = self.reached()
-        missing = [member for member in group.members if member not in arrived]
         if not missing:
             who = "a rank" if peer is None else f"rank {peer}"
             return f"every rank reached this collective, so {who} is stuck or dead"
@@ -484,19 +500,30 @@ class EngineAgreement:
             self._announced = True
             self._group.transport.announce_waiting(self._tag)
 
-    def who_is_missing(self, peer: int | None) -> str:
-        """Which ranks did not announce that they wait in this collective, as far as this rank knows."""
+    def missing(self) -> list[int]:
+        """The ranks that did not announce that they wait in this collective (none once the
+        all-reduce has completed: every rank took part in it)."""
         try:
             self.progress()
         except CollectiveError:
             pass  # a disagreement is reported elsewhere; here only arrival matters
-        group = self._group
+        if self.done:
+            return []
+        waiting = self._waiting()
+        return [member for member in self._group.members if member not in waiting]
+
+    def _waiting(self) -> set[int]:
+        """This rank and the peers whose announcement that they wait in this collective came."""
+        transport = self._group.transport
+        return transport.waiting_ranks(self._tag) | {transport.rank}
+
+    def who_is_missing(self, peer: int | None) -> str:
+        """Which ranks did not announce that they wait in this collective, as far as this rank knows."""
+        missing = self.missing()
         if self.done:
             who = "a rank" if peer is None else f"rank {peer}"
             return f"every rank reached this collective, so {who} is stuck or dead"
-        me = group.transport.rank
-        waiting = group.transport.waiting_ranks(self._tag) | {me}
-        missing = [member for member in group.members if member not in waiting]
+        waiting = self._waiting()
         if not missing:
             return "every rank waits in this collective: a rank is stuck inside the engine, or dead"
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
