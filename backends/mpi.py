@@ -510,10 +510,7 @@ class _Native:
                 return False
         except _MPI.Exception as error:
             self._done = True
-            _note_lost(f"rank {self._t.rank}: MPI error", self._t._comm)
-            self._error = PeerLostError(
-                f"rank {self._t.rank}: MPI failed the {self.kind}; a peer may have died: {error}"
-            )
+            self._error = self._t._engine_failure(self.kind, error)
             self._t._live.discard(self)
             return True
         self._done = True
@@ -834,9 +831,15 @@ class MPITransport(Transport):
             ValueError: unknown op, or buffers of different sizes or dtypes.
             TimeoutError: `timeout` seconds passed first.
         """
-        request = self._start_allreduce(src, dst, op, tag)
-        if not request._progress():
-            self._block(request, timeout)
+        posted, buffers = self._start_allreduce(src, dst, op)
+        try:  # a small all-reduce completes within the first polls: they need no request object
+            for _ in range(_SPIN_POLLS):
+                if posted.Test():
+                    return
+        except _MPI.Exception as error:
+            raise self._engine_failure("native all-reduce", error) from None
+        request = self._engine_call(posted, buffers, tag)
+        self._block(request, timeout)
         if request._error is not None:
             raise request._error
 
@@ -927,8 +930,9 @@ class MPITransport(Transport):
             self._presence = self._comm.Irecv([self._presence_buf, self._byte], _MPI.ANY_SOURCE, self._presence_tag)
         return set(self._waiting.get(tag, ()))
 
-    def _start_allreduce(self, src: np.ndarray, dst: np.ndarray, op: str, tag: int) -> _Native:
-        """Post MPI_Iallreduce of `src` into `dst` (`src` may be `dst`) for the collective at `tag`."""
+    def _start_allreduce(self, src: np.ndarray, dst: np.ndarray, op: str) -> tuple[Any, tuple[np.ndarray, ...]]:
+        """Post MPI_Iallreduce of `src` into `dst` (`src` may be `dst`); return MPI's request and the
+        buffers MPI works on, which must stay alive until it completes."""
         if src.dtype != dst.dtype or src.size != dst.size:
             raise ValueError(
                 f"native_allreduce needs src and dst of one dtype and size, "
@@ -956,7 +960,12 @@ class MPITransport(Transport):
             send = _MPI.IN_PLACE
         else:
             send = [src, datatype]
-        return self._engine_call(self._comm.Iallreduce(send, [dst, datatype], mpi_op), (src, dst), tag)
+        return self._comm.Iallreduce(send, [dst, datatype], mpi_op), (src, dst)
+
+    def _engine_failure(self, kind: str, error: Exception) -> PeerLostError:
+        """What one of MPI's own collectives (`kind`) that MPI failed with `error` raises."""
+        _note_lost(f"rank {self.rank}: MPI error", self._comm)
+        return PeerLostError(f"rank {self.rank}: MPI failed the {kind}; a peer may have died: {error}")
 
     def _engine_call(
         self, posted: Any, refs: tuple[np.ndarray, ...], tag: int, kind: str = "native all-reduce"

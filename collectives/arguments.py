@@ -96,6 +96,8 @@ def output_buffers(out: Any, shape: tuple[int, ...], dtype: np.dtype, like: Any 
 
 def flat_view(array: Any) -> Any:
     """A 1-D C-contiguous view of `array` (a copy only if it is not contiguous): what algorithms take."""
+    if type(array) is np.ndarray and array.flags.c_contiguous:  # the usual input, answered without a lookup
+        return array.reshape(-1)
     return ascontiguous(array).reshape(-1)
 
 
@@ -103,7 +105,7 @@ def copy_back(result: Any, target: Any, source: Any = None) -> Any:
     """Move `source` (if given) into `target`, then `target` into `result` if they differ; return `result`."""
     if source is not None and not may_share_memory(source, target):
         target[...] = source
-    if not may_share_memory(result, target):
+    if target.base is not result and not may_share_memory(result, target):  # a view of result: nothing to move
         result[...] = target.reshape(result.shape)
     return result
 

@@ -323,7 +323,7 @@ class Sequencer:
     def _finish(self, seq: int) -> None:
         """Let the next collective start; done before the result is handed over, so that a caller
         woken by this result can run its next collective at once."""
-        with self._turn:
+        with self._submit_lock:  # the lock of `_turn`: holding it is enough to notify
             self._next_to_run = seq + 1
             if self._thread is not None:  # only the communication thread ever waits for its turn
                 self._turn.notify_all()
