@@ -832,16 +832,7 @@ class MPITransport(Transport):
             TimeoutError: `timeout` seconds passed first.
         """
         posted, buffers = self._start_allreduce(src, dst, op)
-        try:  # a small all-reduce completes within the first polls: they need no request object
-            for _ in range(_SPIN_POLLS):
-                if posted.Test():
-                    return
-        except _MPI.Exception as error:
-            raise self._engine_failure("native all-reduce", error) from None
-        request = self._engine_call(posted, buffers, tag)
-        self._block(request, timeout)
-        if request._error is not None:
-            raise request._error
+        self._complete(posted, buffers, tag, "native all-reduce", timeout)
 
     native_host_collectives = frozenset({"allgather"})
     """MPI_Iallgather beat the library's ring all-gather at every size measured (2 ranks: 4 KiB 41
@@ -866,7 +857,7 @@ class MPITransport(Transport):
             dst.view(np.uint8)[self.rank * src.nbytes : (self.rank + 1) * src.nbytes] = src.view(np.uint8)
             send = _MPI.IN_PLACE
         gather = self._comm.Iallgather(send, [dst, self._byte])
-        self._engine_call(gather, (src, dst), tag, "native all-gather").wait(timeout)
+        self._complete(gather, (src, dst), tag, "native all-gather", timeout)
 
     agrees_natively = True
 
@@ -894,7 +885,7 @@ class MPITransport(Transport):
         if (refusal := self._refusal()) is not None:
             raise refusal
         gather = self._comm.Iallgather([mine_array, self._byte], [table, self._byte])
-        self._engine_call(gather, (mine_array, table), tag, "gathering of the headers").wait(timeout)
+        self._complete(gather, (mine_array, table), tag, "gathering of the headers", timeout)
         rows = table.reshape(self.size, len(record))
         return [
             bytes(
@@ -966,6 +957,24 @@ class MPITransport(Transport):
         """What one of MPI's own collectives (`kind`) that MPI failed with `error` raises."""
         _note_lost(f"rank {self.rank}: MPI error", self._comm)
         return PeerLostError(f"rank {self.rank}: MPI failed the {kind}; a peer may have died: {error}")
+
+    def _complete(self, posted: Any, refs: tuple[np.ndarray, ...], tag: int, kind: str, timeout: float | None) -> None:
+        """Wait for one of MPI's own collectives, just posted, as for a message: `_engine_call`,
+        then `wait`. A small one completes within the first polls, which run on MPI's bare request;
+        the request is tracked (failed by an abort, drained by `close`) only if it is still running
+        after them.
+
+        Raises:
+            TimeoutError: `timeout` seconds passed first.
+            CollectiveError: MPI failed it, or an abort came first.
+        """
+        try:
+            for _ in range(_SPIN_POLLS):
+                if posted.Test():
+                    return
+        except _MPI.Exception as error:
+            raise self._engine_failure(kind, error) from None
+        self._engine_call(posted, refs, tag, kind).wait(timeout)
 
     def _engine_call(
         self, posted: Any, refs: tuple[np.ndarray, ...], tag: int, kind: str = "native all-reduce"
