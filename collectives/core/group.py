@@ -267,8 +267,9 @@ class Group:
         ) from None
 
     def missing_rank(self) -> int:
-        """The one member known not to have reached this collective, or -1 where none or several
-        are: the peer a timeout of an engine collective, which waits on no rank in particular, blames."""
+        """The one member not known to have reached this collective (every other one is), or -1
+        where none or several are: the peer that a timeout of an engine collective, which waits on
+        no rank in particular, blames."""
         missing = [] if self.agreement is None else self.agreement.missing()
         return missing[0] if len(missing) == 1 else _NO_PEER
 
