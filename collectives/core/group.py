@@ -510,13 +510,9 @@ class EngineAgreement:
             pass  # a disagreement is reported elsewhere; here only arrival matters
         if self.done:
             return []
-        waiting = self._waiting()
-        return [member for member in self._group.members if member not in waiting]
-
-    def _waiting(self) -> set[int]:
-        """This rank and the peers whose announcement that they wait in this collective came."""
         transport = self._group.transport
-        return transport.waiting_ranks(self._tag) | {transport.rank}
+        waiting = transport.waiting_ranks(self._tag) | {transport.rank}
+        return [member for member in self._group.members if member not in waiting]
 
     def who_is_missing(self, peer: int | None) -> str:
         """Which ranks did not announce that they wait in this collective, as far as this rank knows."""
@@ -524,7 +520,7 @@ class EngineAgreement:
         if self.done:
             who = "a rank" if peer is None else f"rank {peer}"
             return f"every rank reached this collective, so {who} is stuck or dead"
-        waiting = self._waiting()
+        waiting = set(self._group.members).difference(missing)  # the whole world: the rest said they wait
         if not missing:
             return "every rank waits in this collective: a rank is stuck inside the engine, or dead"
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
