@@ -42,7 +42,7 @@ from collectives.core.ops import ReduceOp
 
 from .measure import DEVICES, FIXED_ALGORITHM, SweepSpec
 from .payloads import COLLECTIVES, REDUCING, check_exact
-from .raw import RAW, raw_row_fits
+from .raw import RAW, RAW_AGREED, agreed_row_fits, raw_row_fits
 from .scaling import PRESETS
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -143,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-a",
         "--algorithms",
         default=None,
-        help=f"comma-separated all-reduce algorithms from auto,{','.join(allreduce_algorithms())},{NATIVE},{RAW} "
-        f"(native: the engine's all-reduce through the library, MPI and NCCL only; raw: the same "
-        f"engine call with no library around it); default {','.join(default_allreduce())} "
+        help=f"comma-separated all-reduce algorithms from auto,{','.join(allreduce_algorithms())},{NATIVE},{RAW},"
+        f"{RAW_AGREED} (native: the engine's all-reduce through the library, MPI and NCCL only; raw: the same "
+        f"engine call with no library around it; {RAW_AGREED}, MPI only: raw after the header agreement's "
+        f"engine call, the least a library checking every call can cost); default {','.join(default_allreduce())} "
         f"(+native,raw on MPI and NCCL); the other "
         f"collectives have one algorithm each ({', '.join(f'{c}: {a}' for c, a in FIXED_ALGORITHM.items())}; "
         f"native on nccl, and allgather on mpi)",
@@ -276,6 +277,8 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     if raw_row_fits(args.backend, device, collective, args.op or "sum", args.dtype):
         default = (*default, RAW)
         known.add(RAW)
+    if agreed_row_fits(args.backend, device, collective, args.op or "sum", args.dtype):
+        known.add(RAW_AGREED)
     algorithms = asked_algorithms(args, ranks, known) or default
     if NATIVE in algorithms and args.backend not in _NATIVE_BACKENDS:
         raise UsageError(f"algorithm {NATIVE!r} needs --backend mpi or nccl")

@@ -44,7 +44,7 @@ from collectives.core.arrays import is_device
 from collectives.core.ops import ReduceOp
 
 from .payloads import REDUCING, expected_output, input_count, make_input, output_count
-from .raw import RAW, raw_allreduce
+from .raw import RAW, RAW_AGREED, RawAllreduce, raw_agreed_allreduce, raw_allreduce
 
 COPY_BOUND = "copy-bound"
 OUT_OF_PLACE = "out-of-place"
@@ -132,7 +132,12 @@ class _Buffers:
         )
         block = count // size
         self.mine = slice(rank * block, (rank + 1) * block)
-        self.raw = raw_allreduce(comm, spec.op, spec.device == "cuda") if RAW in spec.algorithms else None
+        self.engine_rows: dict[str, RawAllreduce] = {}
+        """The rows that call the engine straight (`bench.raw`), by name."""
+        if RAW in spec.algorithms:
+            self.engine_rows[RAW] = raw_allreduce(comm, spec.op, spec.device == "cuda")
+        if RAW_AGREED in spec.algorithms:
+            self.engine_rows[RAW_AGREED] = raw_agreed_allreduce(comm, spec.op)
 
     def refill(self, placement: str) -> None:
         """Untimed: poison the output and, in place, restore the input the last call overwrote."""
@@ -155,8 +160,9 @@ class _Buffers:
             src, out = self.large[self.mine], self.large
         else:
             src, out = self.large, self.large
-        if algorithm == RAW and self.raw is not None:
-            self.raw(src, out)
+        engine_row = self.engine_rows.get(algorithm)
+        if engine_row is not None:
+            engine_row(src, out)
             return out
         if collective == "allreduce":
             return comm.allreduce(src, self.op, algorithm=algorithm, out=out)

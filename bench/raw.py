@@ -1,4 +1,4 @@
-"""The `raw` row: the engine's own all-reduce called straight, with no library code around it.
+"""The `raw` and `raw-agreed` rows: the engine's own all-reduce called straight, alone or after an agreement.
 
 - On `--backend mpi` (host buffers) each rank calls `MPI_Allreduce` through mpi4py on a duplicate
   of `MPI.COMM_WORLD`.
@@ -11,6 +11,12 @@ call, slowest rank, median). Its time is the floor any all-reduce through the li
 `native` (the same engine call through a `Communicator`) against `raw` is the library's per-call
 overhead, and `auto` against `raw` is what a user pays or gains for using the library instead of
 the engine alone.
+
+On MPI, `raw-agreed` (asked for with -a) is the floor under any library that checks every call:
+the header agreement's engine call (an MPI_Allreduce, MAX, of the header's 16-byte digest pair, as
+`EngineAgreement` makes it) and then the raw all-reduce, with no other Python around them, no
+deadline and no abort channel. `native` against `raw-agreed` is what the library's Python costs
+beyond that check; `raw-agreed` against `raw` is what the check itself costs.
 """
 
 from __future__ import annotations
@@ -21,9 +27,15 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator
+from collectives.arguments import collective_header
+from collectives.backends.errors import MismatchError
+from collectives.core.group import header_digests
 
 RAW = "raw"
 """The row's name, given with -a like an algorithm."""
+
+RAW_AGREED = "raw-agreed"
+"""The row of the raw all-reduce after the header agreement's engine call (MPI only, -a only)."""
 
 RAW_OPS = ("sum", "max", "min", "prod")
 RAW_DTYPES = {
@@ -45,6 +57,11 @@ def raw_row_fits(backend: str, device: str, collective: str, op: str, dtype: str
     return collective == "allreduce" and op in RAW_OPS and dtype in RAW_DTYPES.get((backend, device), ())
 
 
+def agreed_row_fits(backend: str, device: str, collective: str, op: str, dtype: str) -> bool:
+    """Whether a sweep may have a `raw-agreed` row: MPI's raw row on host buffers."""
+    return backend == "mpi" and raw_row_fits(backend, device, collective, op, dtype)
+
+
 def raw_allreduce(comm: Communicator, op: str, on_device: bool) -> RawAllreduce:
     """The engine's all-reduce for `comm`'s ranks: NCCL's for device buffers, else MPI's.
 
@@ -63,6 +80,34 @@ def _mpi_allreduce(op: str) -> RawAllreduce:
 
     def run(src: np.ndarray, out: np.ndarray) -> None:
         engine.Allreduce(MPI.IN_PLACE if src is out else src, out, op=mpi_op)
+
+    return run
+
+
+def raw_agreed_allreduce(comm: Communicator, op: str) -> RawAllreduce:
+    """MPI's all-reduce for `comm`'s ranks, after the agreement of every rank on the call's header.
+
+    Collective on first use (every rank of `comm` calls it at the same point).
+
+    Raises:
+        MismatchError: the ranks called it with different shapes or dtypes.
+    """
+    from mpi4py import MPI
+
+    allreduce = _mpi_allreduce(op)
+    engine = _engines["mpi"]
+    agreed = np.empty(2, dtype=np.int64)
+
+    def run(src: np.ndarray, out: np.ndarray) -> None:
+        header = collective_header("allreduce", src, algorithm=RAW_AGREED, op=op)
+        mine = header_digests(header)
+        engine.Allreduce([mine, MPI.INT64_T], [agreed, MPI.INT64_T], op=MPI.MAX)
+        if agreed[0] != mine[0] or agreed[1] != mine[1]:
+            raise MismatchError(
+                f"rank {comm.rank}: another rank called the {RAW_AGREED} all-reduce differently from this "
+                f"rank's {header.decode()}; MPI_Allreduce was not called"
+            )
+        allreduce(src, out)
 
     return run
 

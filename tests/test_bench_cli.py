@@ -369,14 +369,22 @@ def test_bucket_overlap_model() -> None:
 
 def test_mpi_sweeps_time_mpi_itself_beside_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
     """On MPI an all-reduce sweep of host buffers gets a `raw` row (MPI_Allreduce through mpi4py) by
-    default, except for what mpi4py cannot reduce as it is (mean, float16); elsewhere it is refused."""
+    default, and a `raw-agreed` one when asked for, except for what mpi4py cannot reduce as it is
+    (mean, float16); elsewhere both are refused (NCCL has its raw row, but no raw-agreed one)."""
     monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
     assert cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi"]), 2).algorithms[-2:] == ("native", "raw")
+    asked = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi", "-a", "raw,raw-agreed"]), 2)
+    assert asked.algorithms == ("raw", "raw-agreed")
     for options in (["-o", "mean"], ["-d", "float16"], ["-c", "broadcast"], ["--device", "cuda"]):
         spec = cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi", *options]), 2)
         assert "raw" not in spec.algorithms, options
-    with pytest.raises(cli.UsageError, match="raw"):
-        _spec("-a", "raw")
+        with pytest.raises(cli.UsageError, match="raw-agreed"):
+            cli.sweep_spec(cli.build_parser().parse_args(["--backend", "mpi", *options, "-a", "raw-agreed"]), 2)
+    for row in ("raw", "raw-agreed"):
+        with pytest.raises(cli.UsageError, match=row):
+            _spec("-a", row)
+    with pytest.raises(cli.UsageError, match="raw-agreed"):
+        cli.sweep_spec(cli.build_parser().parse_args(["--backend", "nccl", "-a", "raw-agreed"]), 2)
 
 
 def test_nccl_sweeps_measure_device_buffers_with_nccls_own_collectives(monkeypatch: pytest.MonkeyPatch) -> None:

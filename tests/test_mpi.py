@@ -285,6 +285,17 @@ def test_slow_peer_is_not_a_lost_peer() -> None:
 
 
 @needs_mpi
+def test_bench_raw_agreed_row_agrees_before_mpi_reduces() -> None:
+    """The `raw-agreed` row checks what it claims to: ranks passing different sizes fail with
+    MismatchError before MPI_Allreduce sees mismatched counts, and a matching call is exact."""
+    job = mpirun(2, str(SCRIPTS / "raw_agreed_check.py"))
+    assert job.returncode == 0, job.output
+    for rank in (0, 1):
+        assert f"rank {rank}: mismatch refused" in job.output, job.output
+        assert f"rank {rank}: sum exact" in job.output, job.output
+
+
+@needs_mpi
 def test_bench_script_runs() -> None:
     """The ring-vs-native timing script runs end to end (tiny sizes; speed is not tested here)."""
     job = mpirun(2, str(SCRIPTS / "bench_mpi.py"), "--sizes", "4K,64K", "--iters", "2", "--warmup", "1")
@@ -297,7 +308,8 @@ def test_bench_script_runs() -> None:
 @needs_mpi
 def test_bench_times_raw_mpi_beside_the_library() -> None:
     """`python -m bench --backend mpi` prints a `raw` row (MPI_Allreduce through mpi4py, no library
-    code) beside `native` and `auto`, all with exact results."""
+    code) and, asked for, a `raw-agreed` one (the same after the header agreement's engine call)
+    beside `native` and `auto`, all with exact results."""
     from processes import run_bounded
 
     command = [
@@ -317,9 +329,12 @@ def test_bench_times_raw_mpi_beside_the_library() -> None:
         "-i",
         "2",
     ]
-    job = run_bounded([*command, "-a", "auto,native,raw", "--no-tune"], timeout=JOB_TIMEOUT, merge_stderr=True)
+    job = run_bounded(
+        [*command, "-a", "auto,native,raw,raw-agreed", "--no-tune"], timeout=JOB_TIMEOUT, merge_stderr=True
+    )
     assert job.returncode == 0, job.stdout
     rows = {line.split()[5]: line.split() for line in job.stdout.splitlines() if line.split()[:1] == ["4096"]}
-    assert {"raw", "native"} <= set(rows) and any(name.startswith("auto") for name in rows), job.stdout
+    assert {"raw", "raw-agreed", "native"} <= set(rows), job.stdout
+    assert any(name.startswith("auto") for name in rows), job.stdout
     timed = [row for name, row in rows.items() if name != "copy-bound"]
     assert all(row[9] == "0" and row[-1] == "0" for row in timed), job.stdout  # the #wrong columns

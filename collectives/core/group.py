@@ -447,7 +447,7 @@ class EngineAgreement:
         """Start the all-reduce among `group` (the whole world), for the collective at `tag`."""
         self._group = group
         self._tag = tag
-        self._mine = _digests(group.header)
+        self._mine = header_digests(group.header)
         self._result = np.empty(2, dtype=np.int64)
         request = group.transport.start_agreement(self._mine, self._result, tag)
         self._pending: Pending | None = Pending(request, "the header agreement", _NO_PEER, tag)
@@ -534,8 +534,9 @@ _digest_cache: dict[bytes, np.ndarray] = {}
 _DIGEST_CACHE_ENTRIES = 4096
 
 
-def _digests(header: bytes) -> np.ndarray:
-    """(h, -h) as int64, h a 63-bit digest of `header` (made once per header)."""
+def header_digests(header: bytes) -> np.ndarray:
+    """(h, -h) as int64, h a 63-bit digest of `header` (made once per header): what a rank
+    contributes to an `EngineAgreement`'s MAX all-reduce."""
     pair = _digest_cache.get(header)
     if pair is None:
         h = int.from_bytes(hashlib.blake2b(header, digest_size=8).digest(), "little") >> 1
