@@ -3,6 +3,9 @@ the first `auto` all-reduce, and native as a candidate of the selector."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 
 import collectives
@@ -33,9 +36,9 @@ def test_fingerprint_holds_the_hardware_not_the_host_name(monkeypatch) -> None:
     assert tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20) != first
 
 
-def test_calibration_picks_up_the_cached_tuning(tmp_path, monkeypatch) -> None:
+def test_calibration_picks_up_the_cached_tuning(tmp_path, monkeypatch, capsys) -> None:
     """Once tune() saved a file, a new world's calibration at construction reads it instead of
-    measuring, and every rank ends with the same choices."""
+    measuring, and every rank ends with the same choices; `show` names the layout it is for."""
     monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path))
     collectives.run_threads(lambda comm: comm.tune((4096, 65536)), 4, ranks_per_node=2)
 
@@ -50,6 +53,8 @@ def test_calibration_picks_up_the_cached_tuning(tmp_path, monkeypatch) -> None:
 
     results = collectives.run_threads(body, 4, ranks_per_node=2, autotune="calibrate")
     assert results[0][0] and all(r == results[0] for r in results)
+    assert tuning.main(["show", "--dir", str(tmp_path)]) == 0  # says which runs the file serves
+    assert "ThreadTransport, 4 ranks on 2 node(s) [0, 1], [2, 3], segment" in capsys.readouterr().out
 
 
 def test_construction_calibrates_without_a_cache(tmp_path, monkeypatch) -> None:
@@ -75,9 +80,20 @@ def test_show_and_clear(tmp_path, capsys) -> None:
     (tmp_path / "other.txt").write_text("kept")
     assert tuning.main(["show", "--dir", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
-    assert "1 tuning file" in shown and "tuning-0123.json: unreadable" in shown
+    assert "1 tuning file" in shown and "tuning-0123.json: unreadable" in shown, shown
     assert tuning.main(["clear", "--dir", str(tmp_path)]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["other.txt"]
+
+
+def test_cache_command_runs_without_warnings(tmp_path) -> None:
+    """`python -m collectives.selection show` as a user types it: the listing, and nothing on
+    stderr (run as `-m collectives.selection.tuning`, Python warned that the module was imported
+    twice)."""
+    (tmp_path / "tuning-0123.json").write_text("{}")
+    command = [sys.executable, "-W", "error", "-m", "collectives.selection", "show", "--dir", str(tmp_path)]
+    job = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert job.returncode == 0 and job.stderr == "", job.stderr
+    assert "1 tuning file" in job.stdout, job.stdout
 
 
 def test_selector_weighs_native_only_where_asked_and_where_it_fits() -> None:

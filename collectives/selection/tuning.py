@@ -17,7 +17,7 @@ files). Rank 0 reads and checks the file and broadcasts it, so a second run with
 starts tuned without measuring, and ranks on different machines cannot end up with different
 files' contents. Rank 0 alone writes it, through a scratch file renamed into place, so a reader
 never sees half a file. Files live in `$COLLECTIVES_TUNING_DIR`, else `$XDG_CACHE_HOME/collectives`,
-else ~/.cache/collectives; `python -m collectives.selection.tuning show|clear` lists or deletes them.
+else ~/.cache/collectives; `python -m collectives.selection show|clear` lists or deletes them.
 
 `Communicator.calibrate()` (what `collectives.init()` runs by default) is `calibrate`: the cached
 tuning when there is one, else a quick pass (a probe, then `QUICK_ROUNDS` rounds at `QUICK_SIZES`)
@@ -34,7 +34,7 @@ import functools
 import json
 import os
 import platform
-import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -140,6 +140,16 @@ def _cache_fingerprint(topology: Topology, backend: str, segment_bytes: int) -> 
     return topology.fingerprint(f"{backend}|segment={segment_bytes}|{__version__}|{hardware_key()}")
 
 
+def _layout_words(topology: Topology, backend: str, segment_bytes: int) -> str:
+    """What `_cache_fingerprint` hashes, in words, for `show`: the name alone does not say which
+    run a file serves."""
+    nodes = ", ".join(str(list(ranks)) for ranks in topology.nodes)
+    return (
+        f"{backend}, {topology.size} ranks on {topology.num_nodes} node(s) {nodes}, segment {segment_bytes} B, "
+        f"hardware {hardware_key()}"
+    )
+
+
 def _cache_path(comm: Communicator, backend: str, cache_dir: str | os.PathLike | None) -> tuple[Path, str]:
     fingerprint = _cache_fingerprint(comm.topology, backend, comm._measured_segment_bytes())
     return cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint), fingerprint
@@ -164,7 +174,8 @@ def load_or_measure(
     costs = comm.probe()
     tuning = measure(comm, costs, sorted(sizes))
     if use_cache and comm.rank == 0:
-        _write_atomically(path, encode(costs, tuning, fingerprint))
+        layout = _layout_words(comm.topology, backend, comm._measured_segment_bytes())
+        _write_atomically(path, encode(costs, tuning, fingerprint, layout))
     return costs, tuning
 
 
@@ -261,10 +272,11 @@ def measure(
     )
 
 
-def encode(costs: LinkCosts, tuning: Tuning, fingerprint: str) -> bytes:
+def encode(costs: LinkCosts, tuning: Tuning, fingerprint: str, layout: str) -> bytes:
     record = {
         "version": __version__,
         "fingerprint": fingerprint,
+        "layout": layout,
         "costs": dataclasses.asdict(costs),
         "tuning": {"sizes": list(tuning.sizes), "ratios": {a: list(r) for a, r in tuning.ratios.items()}},
     }
@@ -296,8 +308,8 @@ def decode(data: bytes, fingerprint: str | None) -> tuple[LinkCosts, Tuning] | N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m collectives.selection.tuning show|clear [--dir DIR]`: list or delete tuning files."""
-    parser = argparse.ArgumentParser(prog="python -m collectives.selection.tuning", description=main.__doc__)
+    """`python -m collectives.selection show|clear [--dir DIR]`: list or delete tuning files."""
+    parser = argparse.ArgumentParser(prog="python -m collectives.selection", description=main.__doc__)
     parser.add_argument("action", choices=("show", "clear"))
     parser.add_argument("--dir", type=Path, default=None, help="default: where the library looks (see above)")
     args = parser.parse_args(argv)
@@ -315,15 +327,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _summary(path: Path) -> str:
-    """One line about a tuning file: version, sizes and the measured algorithms."""
+    """What a tuning file is for and holds: its layout (files from before layouts were recorded
+    say so), when it was written, version, sizes and the measured algorithms."""
     try:
         record = json.loads(path.read_bytes())
         tuning = record["tuning"]
         sizes = ", ".join(str(size) for size in tuning["sizes"])
-        return f"version {record['version']}, sizes {sizes}, algorithms {', '.join(tuning['ratios'])}"
+        written = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+        return (
+            f"{record.get('layout', 'layout not recorded')}; written {written}, version {record['version']}, "
+            f"sizes {sizes}, algorithms {', '.join(tuning['ratios'])}"
+        )
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"unreadable ({error})"
-
-
-if __name__ == "__main__":
-    sys.exit(main())
