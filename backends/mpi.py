@@ -39,16 +39,19 @@ of two, the communicator's own wrap-around (2**30) keeps consecutive blocks dist
 
 Waiting. `Request.wait(timeout)` never calls a blocking `MPI_Wait`: it polls `Test` (which also
 drives MPI's progress engine, which MPICH needs on both sides for shared-memory transfers), checks
-the abort channel every 16 polls, and after a spin phase sleeps with a backoff from 50 us to 1 ms.
-While spinning it calls `sched_yield` every 16 polls, free on an idle machine; on a busy one
-(measured with a competing busy process on 2 cores) it made the 64 MiB ring 2-4x faster.
-The spin phase lasts `spin_seconds`, 2 ms by default: a 1 MiB segment arrives well within it, and
-sleeping would stall transfers the peer is waiting for. The same holds when the node has more ranks
-than cores: a spinning rank yields its core every 16 polls, so it does not starve the peer it waits
-for, while a sleeping one wakes late. With 4 and 8 ranks on 2 cores, a 50 us spin phase made every
-algorithm slower than the 2 ms one (native all-reduce 1.6x at 4 KiB and 1.5x at 1 MiB, 3.5x at
-64 KiB with 4 ranks). A rank whose peer comes a second late still spends about 0.05-0.08
-CPU-seconds per second waiting: 2 ms of spinning, then a poll per sleep.
+the abort channel every 4 polls, and after a spin phase sleeps with a backoff from 50 us to 1 ms.
+While spinning it calls `sched_yield` every 4 polls, free on an idle machine; on a busy one
+(measured with a competing busy process on 2 cores) it made the 64 MiB ring 2-4x faster. The spin
+phase lasts `spin_seconds`, 2 ms by default: a 1 MiB segment arrives well within it, and sleeping
+would stall transfers the peer is waiting for. The same holds when the node has more ranks than
+cores: a spinning rank yields its core every few polls, so it does not starve the peer it waits for,
+while a sleeping one wakes late. Only the first 8 polls run without a yield: with 64 (and a yield
+every 16), 4 ranks on 2 cores held a core for tens of microseconds while the rank being waited for
+sat in the run queue (`python -m bench`, 7 launches each: native all-reduce at 4 KiB 221 -> 170 us,
+the ring at 64 KiB 601 -> 510 us; 2 ranks on 2 cores within noise). With 4 and 8 ranks on 2 cores, a
+50 us spin phase made every algorithm slower than the 2 ms one (native all-reduce 1.6x at 4 KiB and
+1.5x at 1 MiB, 3.5x at 64 KiB with 4 ranks). A rank whose peer comes a second late still spends
+about 0.05-0.08 CPU-seconds per second waiting: 2 ms of spinning, then a poll per sleep.
 `wait_any` polls all its requests in the same loop, so a pipelined collective waiting on several
 streams sees the first completion as promptly as a single wait would.
 `TimeoutError` comes when the timeout is up, leaving the request pending as the contract says.
@@ -162,10 +165,10 @@ _CLOSE_DRAIN_SECONDS = 0.2
 collective that every rank has called (an agreement a mismatch interrupted) completes within it,
 and one left pending at exit can crash MPI_Finalize."""
 
-_SPIN_POLLS = 64
-"""Polls before the clock is first read (a message in flight completes within them)."""
-_POLLS_PER_CHECK = 16
-"""Polls between two looks at the clock and the abort channel."""
+_SPIN_POLLS = 8
+"""Polls before the clock is first read and the core first yielded (see "Waiting" above)."""
+_POLLS_PER_CHECK = 4
+"""Polls between two looks at the clock and the abort channel, and two yields of the core."""
 SPIN_SECONDS = 0.002
 """Busy-polling phase of a wait (see "Waiting" above)."""
 _PAUSE_MIN = 50e-6

@@ -40,11 +40,11 @@ communicator is never destroyed. Creating a communicator (`ncclCommInitRank`, wh
 timeout) runs on a daemon thread joined within the transport's timeout.
 
 Polling sleeps between looks, from 20 us doubling up to 1 ms. A wait for one of NCCL's own
-collectives first busy-polls for `NATIVE_SPIN_SECONDS` (2 ms, yielding the core every 16 polls, as
-the MPI transport's waits do): a small ncclAllReduce takes tens of microseconds, and a sleep that
-begins as it finishes overshoots it several times (`python -m bench`'s `raw` row is the same call
-waited for by `cudaStreamSynchronize`). Point-to-point waits only sleep: their messages are issued
-by this process's progress thread, which needs the GIL that a spinning waiter holds most of the time.
+collectives first busy-polls for `NATIVE_SPIN_SECONDS` (2 ms, yielding the core every 16 polls): a
+small ncclAllReduce takes tens of microseconds, and a sleep that begins as it finishes overshoots it
+several times (`python -m bench`'s `raw` row is the same call waited for by
+`cudaStreamSynchronize`). Point-to-point waits only sleep: their messages are issued by this
+process's progress thread, which needs the GIL that a spinning waiter holds most of the time.
 
 NCCL itself is reached through one seam, `Library` (`library()`, `use_library`): CuPy's by
 default, a fake one in the CPU tests.
