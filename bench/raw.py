@@ -70,12 +70,20 @@ def raw_allreduce(comm: Communicator, op: str, on_device: bool) -> RawAllreduce:
     return _nccl_allreduce(comm, op) if on_device else _mpi_allreduce(op)
 
 
-def _mpi_allreduce(op: str) -> RawAllreduce:
+def _mpi_engine() -> Any:
+    """This process's duplicate of MPI.COMM_WORLD for the raw rows, made on first use (collective)."""
     from mpi4py import MPI
 
     engine = _engines.get("mpi")
     if engine is None:
         engine = _engines["mpi"] = MPI.COMM_WORLD.Dup()
+    return engine
+
+
+def _mpi_allreduce(op: str) -> RawAllreduce:
+    from mpi4py import MPI
+
+    engine = _mpi_engine()
     mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
 
     def run(src: np.ndarray, out: np.ndarray) -> None:
@@ -94,8 +102,8 @@ def raw_agreed_allreduce(comm: Communicator, op: str) -> RawAllreduce:
     """
     from mpi4py import MPI
 
+    engine = _mpi_engine()
     allreduce = _mpi_allreduce(op)
-    engine = _engines["mpi"]
     agreed = np.empty(2, dtype=np.int64)
 
     def run(src: np.ndarray, out: np.ndarray) -> None:

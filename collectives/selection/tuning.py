@@ -150,9 +150,12 @@ def _layout_words(topology: Topology, backend: str, segment_bytes: int) -> str:
     )
 
 
-def _cache_path(comm: Communicator, backend: str, cache_dir: str | os.PathLike | None) -> tuple[Path, str]:
-    fingerprint = _cache_fingerprint(comm.topology, backend, comm._measured_segment_bytes())
-    return cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint), fingerprint
+def _cache_path(comm: Communicator, backend: str, cache_dir: str | os.PathLike | None) -> tuple[Path, str, str]:
+    """`comm`'s tuning file, its fingerprint, and what the fingerprint stands for in words."""
+    topology, segment_bytes = comm.topology, comm._measured_segment_bytes()
+    fingerprint = _cache_fingerprint(topology, backend, segment_bytes)
+    path = cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint)
+    return path, fingerprint, _layout_words(topology, backend, segment_bytes)
 
 
 def load_or_measure(
@@ -168,13 +171,12 @@ def load_or_measure(
     Read from the cache file for this layout when there is one (and `use_cache`); otherwise probed
     and measured at `sizes`, and saved when `use_cache`. `cache_dir` None means `default_cache_dir()`.
     """
-    path, fingerprint = _cache_path(comm, backend, cache_dir)
+    path, fingerprint, layout = _cache_path(comm, backend, cache_dir)
     if use_cache and (cached := _read_shared(comm, path, fingerprint)) is not None:
         return cached
     costs = comm.probe()
     tuning = measure(comm, costs, sorted(sizes))
     if use_cache and comm.rank == 0:
-        layout = _layout_words(comm.topology, backend, comm._measured_segment_bytes())
         _write_atomically(path, encode(costs, tuning, fingerprint, layout))
     return costs, tuning
 
@@ -184,7 +186,7 @@ def calibrate(comm: Communicator, *, backend: str) -> tuple[LinkCosts, Tuning]:
     there is one, else a quick pass: a probe, then every candidate timed at `QUICK_SIZES` within
     `QUICK_BUDGET` (on device memory `QUICK_DEVICE_SIZES` within `QUICK_DEVICE_BUDGET`). The quick
     pass is not saved: only `tune()`'s fuller one is."""
-    path, fingerprint = _cache_path(comm, backend, None)
+    path, fingerprint, _ = _cache_path(comm, backend, None)
     if (cached := _read_shared(comm, path, fingerprint)) is not None:
         return cached
     costs = comm.probe()
