@@ -69,11 +69,10 @@ ALIGNMENT = 64
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array whose data starts at an `ALIGNMENT`-byte boundary."""
-    dtype = np.dtype(dtype)
-    count = math.prod(shape)
-    raw = np.empty(count * dtype.itemsize + ALIGNMENT, dtype=np.uint8)
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
-    return raw[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def as_input(value: Any) -> Any:

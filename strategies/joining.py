@@ -51,6 +51,7 @@ something other than the promised step after a tape step while a rank joins righ
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import weakref
@@ -82,6 +83,8 @@ _RECORD_WORDS = _DIGEST + _DIGEST_WORDS
 elements; of buckets for a step), op, algorithm, whether the buffer is GPU memory (a joined rank
 answers with the same kind: over NCCL the two kinds take different routes), digest; int64 words.
 Then room for the data of a small all-reduce (`_new_record`)."""
+_CARRIED_START = 8 * _RECORD_WORDS
+"""Byte offset in a record of the data a small all-reduce carries."""
 _CARRIED_BYTES, _CARRIED_TOTAL_BYTES = 4096, 64 << 10
 """An announcement carries at most this much of a small all-reduce's data, and at most this much
 over all ranks (so a large world carries less per rank)."""
@@ -156,7 +159,7 @@ def announced_allreduce(
         return reduced.reshape(np.shape(array)) if out is None else out
     result, target = output_buffers(out, np.shape(array), flat.dtype, flat)  # checked before anything is sent
     record[_KIND] = _CARRIED
-    record[_RECORD_WORDS:].view(np.uint8)[: flat.nbytes] = flat.view(np.uint8)
+    record.view(np.uint8)[_CARRIED_START : _CARRIED_START + flat.nbytes] = flat.view(np.uint8)
     _settle_promise(comm)
     records, training = _announce_agreed(comm, record)
     _reduce_carried(records, training, op, target)
@@ -166,7 +169,7 @@ def announced_allreduce(
 def _reduce_carried(records: np.ndarray, training: np.ndarray, op: ReduceOp, out: np.ndarray) -> None:
     """`out` = `op` over the data that the records of the ranks still `training` carry, in rank
     order (mean divides by the number of ranks, as every all-reduce here does)."""
-    carried = records[:, _RECORD_WORDS:].view(np.uint8)[:, : out.nbytes].view(out.dtype)
+    carried = records.view(np.uint8)[:, _CARRIED_START : _CARRIED_START + out.nbytes].view(out.dtype)
     combine_in_order(op, _training_rows(carried, training), out)
     finalize(op, out, len(records))
 
@@ -240,6 +243,8 @@ def _settle_promise(comm: Communicator) -> AnnouncedSteps | None:
     Raises:
         MismatchError: every rank was training, but they promised different steps.
     """
+    if not _promises:  # none open on any communicator: every call outside a tape's steps
+        return None
     with _promises_lock:
         open_round = _promises.pop(comm, None)
     if open_round is None:
@@ -307,12 +312,26 @@ def _announce(comm: Communicator, record: np.ndarray) -> np.ndarray:
 
 
 def _announce_agreed(comm: Communicator, record: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`_announce`, checking that the ranks still training announced the same as this one; the
-    records and the ranks still training."""
+    """`_announce` by a rank still training, checking that the ranks still training announced the
+    same as this one; the records and the ranks still training.
+
+    Every rank announcing exactly what this one did (all training, one plan) is the usual case and
+    is answered with one comparison: this path runs on every join-aware call of a training loop."""
     records = _announce(comm, record)
+    compared = _DIGEST if record[_KIND] == _CHECK else _RECORD_WORDS
+    if (records[:, :compared] == record[:compared]).all():
+        return records, _all_ranks(comm.size)
     training = np.flatnonzero(records[:, _STATE] == _ACTIVE)
     _agreed_plan(comm, records, training)
     return records, training
+
+
+@functools.cache
+def _all_ranks(size: int) -> np.ndarray:
+    """0 .. size-1, read-only (shared by every call)."""
+    ranks = np.arange(size)
+    ranks.flags.writeable = False
+    return ranks
 
 
 def _agreed_plan(comm: Communicator, records: np.ndarray, training: np.ndarray) -> np.ndarray:

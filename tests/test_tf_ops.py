@@ -124,6 +124,19 @@ def test_ranks_still_training_must_announce_the_same_all_reduce() -> None:
     assert "all-reduce of 1 float32" in messages[0] and "all-reduce of 2 float32" in messages[0]
 
 
+@pytest.mark.parametrize("differing", ["count", "op"])
+def test_ranks_that_all_train_and_announce_different_all_reduces_fail_on_every_rank(differing: str) -> None:
+    def body(comm: collectives.Communicator) -> str:
+        count = 2 + comm.rank if differing == "count" else 2
+        op = "max" if differing == "op" and comm.rank == 1 else "sum"
+        with pytest.raises(collectives.MismatchError) as raised:
+            announced_allreduce(comm, np.ones(count, np.float32), op)
+        return str(raised.value)
+
+    for message in run_threads(body, 3, timeout=20):
+        assert "ranks 0 and 1 announced different collectives" in message, message
+
+
 def test_announced_allreduce_checks_its_arguments_before_sending_anything() -> None:
     def body(comm: collectives.Communicator) -> None:
         with pytest.raises(TypeError, match="op 'mean' needs a floating-point dtype"):
