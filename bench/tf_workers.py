@@ -17,11 +17,13 @@ the variants they compare within the process (`interleaved`), so noise hits them
   scaled to the global batch and calls `optimizer.apply_gradients` (which all-reduces), inside a
   `tf.function`.
 * `ours`: `collectives.init()` (MPI or gRPC, whichever started the group), `collectives.strategies.allreduce`
-  on the same tensors eagerly and inside a `tf.function`, alternating with the communicator's own
-  `allreduce` on numpy arrays (and MPI's native one), `comm.barrier()` between iterations; the
-  example's training step with `DistributedGradientTape`, eager and inside a `tf.function`, and
-  the fraction of communication time hidden behind backprop from the strategies timeline; and
-  the same model trained by `model.fit` with `DistributedOptimizer` (variant `fit`: each batch
+  on the same tensors eagerly, alternating with the communicator's own `allreduce` on numpy
+  arrays (and MPI's native one), then inside a `tf.function` in a pass of its own (TensorFlow's
+  threads, still spinning after a graph call, would slow the eager calls beside it),
+  `comm.barrier()` between iterations; the example's training step with
+  `DistributedGradientTape`, eager and inside a `tf.function`, and the fraction of
+  communication time hidden behind backprop from the strategies timeline; and the same model
+  trained by `model.fit` with `DistributedOptimizer` (variant `fit`: each batch
   timed by a callback right after a barrier, inside one `fit` call, after the tape variants).
 
 Both also time the same training step with a plain `tf.GradientTape` and no communication, both
@@ -253,16 +255,20 @@ def run_ours(config: WorkerConfig, out: Path) -> RankResult:
         src = make_input("allreduce", ReduceOp.SUM, comm.rank, comm.size, count, np.dtype(np.float32))
         outputs = {variant: np.empty_like(src) for variant in raw}
         tensor = tf.constant(src)
-        runs: dict[str, Callable[[], Any]] = {
+        eager: dict[str, Callable[[], Any]] = {
             variant: functools.partial(comm.allreduce, src, algorithm=algorithm, out=outputs[variant])
             for variant, algorithm in raw.items()
         }
-        runs["eager"] = functools.partial(allreduce, tensor)
-        runs["function"] = functools.partial(reduce_in_function, tensor)
-        for variant, times in interleaved(runs, comm.barrier, config.warmup, config.repeats).items():
-            result.allreduce.setdefault(variant, {})[str(nbytes)] = times
-            produced = outputs[variant] if variant in outputs else runs[variant]()
-            result.wrong[variant] = result.wrong.get(variant, 0) + count_wrong(produced, expected)
+        eager["eager"] = functools.partial(allreduce, tensor)
+        # The tf.function variant is timed in a pass of its own: TensorFlow's inter-op threads keep
+        # spinning for a while after a graph function returns, and on a machine with as many ranks
+        # as cores they made the eager calls timed beside them half as slow again (4 KiB: 96
+        # against 62 us; a tf.function doing only `x * 2` did the same).
+        for runs in (eager, {"function": functools.partial(reduce_in_function, tensor)}):
+            for variant, times in interleaved(runs, comm.barrier, config.warmup, config.repeats).items():
+                result.allreduce.setdefault(variant, {})[str(nbytes)] = times
+                produced = outputs[variant] if variant in outputs else runs[variant]()
+                result.wrong[variant] = result.wrong.get(variant, 0) + count_wrong(produced, expected)
         allreduce(tensor)
         result.algorithms[str(nbytes)] = comm.last_algorithm or "-"
 
