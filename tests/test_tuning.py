@@ -36,6 +36,30 @@ def test_fingerprint_holds_the_hardware_not_the_host_name(monkeypatch) -> None:
     assert tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20) != first
 
 
+def test_fingerprint_holds_the_code_so_a_file_measured_by_other_code_is_never_read(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """A file outlives the code that measured it; after any change to the library's modules the
+    version may stay the same, but the file's key does not, and `show` says whose file it is."""
+    topology = Topology(("a", "a", "b", "b"))
+    first = tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20)
+    assert len(tuning.code_key()) == 16 and tuning.code_key() == tuning.code_key()
+    monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path))
+    collectives.run_threads(lambda comm: comm.tune((4096,)), 2)
+    assert tuning.main(["show", "--dir", str(tmp_path)]) == 0
+    assert "by this build" in capsys.readouterr().out
+
+    monkeypatch.setattr(tuning, "code_key", lambda: "changed code")
+    assert tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20) != first
+    assert tuning.main(["show", "--dir", str(tmp_path)]) == 0
+    assert "by another build, never read by this one" in capsys.readouterr().out
+    measured = []
+    original_measure = tuning.measure
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: measured.append(1) or original_measure(*a, **k))
+    collectives.run_threads(lambda comm: comm.tune((4096,)), 2)
+    assert measured and len(list(tmp_path.glob(tuning.CACHE_GLOB))) == 2  # measured afresh, its own file
+
+
 def test_calibration_picks_up_the_cached_tuning(tmp_path, monkeypatch, capsys) -> None:
     """Once tune() saved a file, a new world's calibration at construction reads it instead of
     measuring, and every rank ends with the same choices; `show` names the layout it is for."""

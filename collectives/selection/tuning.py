@@ -11,7 +11,8 @@ them alike. Times are the slowest rank's, median of the rounds, and pass through
 every rank keeps identical numbers.
 
 The probed link costs and the ratios are saved as JSON under a name made from a fingerprint of
-the backend, the node layout, the segment size, the library version and rank 0's hardware
+the backend, the node layout, the segment size, the library's build (its version and a digest of
+its modules, `code_key`: a file measured by other code is never read) and rank 0's hardware
 (`hardware_key`: CPU model, core count, memory; not the host name, so identical machines share
 files). Rank 0 reads and checks the file and broadcasts it, so a second run with the same layout
 starts tuned without measuring, and ranks on different machines cannot end up with different
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -133,11 +135,28 @@ def hardware_key() -> str:
     return f"{model}|{os.cpu_count()} cores|{round(memory)} GiB"
 
 
+@functools.cache
+def code_key() -> str:
+    """A digest of the library's own modules (`collectives` and its backends, wherever they are
+    installed), for a tuning file's key: any change to them may change what a call costs, and the
+    version number does not move with every change. Files of identical code hash alike, so two
+    installs of one release share their tuning."""
+    import collectives.backends
+
+    roots = [*collectives.__path__, *collectives.backends.__path__]
+    modules = sorted({path.resolve() for root in roots for path in Path(root).rglob("*.py")})
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(f"{module.name}\0{module.stat().st_size}\0".encode())
+        digest.update(module.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _cache_fingerprint(topology: Topology, backend: str, segment_bytes: int) -> str:
     """What a tuning file is valid for: this node layout on `backend` (a transport's class name),
-    at this segment size, measured by this version of the library on this hardware (rank 0's,
-    which alone reads and writes the files)."""
-    return topology.fingerprint(f"{backend}|segment={segment_bytes}|{__version__}|{hardware_key()}")
+    at this segment size, measured by this build of the library (its version and `code_key`) on
+    this hardware (rank 0's, which alone reads and writes the files)."""
+    return topology.fingerprint(f"{backend}|segment={segment_bytes}|{__version__}|{code_key()}|{hardware_key()}")
 
 
 def _layout_words(topology: Topology, backend: str, segment_bytes: int) -> str:
@@ -277,6 +296,7 @@ def measure(
 def encode(costs: LinkCosts, tuning: Tuning, fingerprint: str, layout: str) -> bytes:
     record = {
         "version": __version__,
+        "code": code_key(),
         "fingerprint": fingerprint,
         "layout": layout,
         "costs": dataclasses.asdict(costs),
@@ -330,15 +350,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _summary(path: Path) -> str:
     """What a tuning file is for and holds: its layout (files from before layouts were recorded
-    say so), when it was written, version, sizes and the measured algorithms."""
+    say so), when it was written, by which build, sizes and the measured algorithms."""
     try:
         record = json.loads(path.read_bytes())
         tuning = record["tuning"]
         sizes = ", ".join(str(size) for size in tuning["sizes"])
         written = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+        build = "this build" if record.get("code") == code_key() else "another build, never read by this one"
         return (
-            f"{record.get('layout', 'layout not recorded')}; written {written}, version {record['version']}, "
-            f"sizes {sizes}, algorithms {', '.join(tuning['ratios'])}"
+            f"{record.get('layout', 'layout not recorded')}; written {written} by {build} "
+            f"(version {record['version']}), sizes {sizes}, algorithms {', '.join(tuning['ratios'])}"
         )
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"unreadable ({error})"
