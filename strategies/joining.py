@@ -253,7 +253,7 @@ def _settle_promise(comm: Communicator) -> AnnouncedSteps | None:
     records = work.wait().reshape(comm.size, -1)
     if (records[:, _STATE] != _ACTIVE).any():
         return None
-    _agreed_plan(comm, records, np.arange(comm.size))
+    _agreed_plan(comm, records, _all_ranks(comm.size))
     return promised
 
 

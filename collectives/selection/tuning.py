@@ -147,8 +147,9 @@ def code_key() -> str:
     modules = sorted({path.resolve() for root in roots for path in Path(root).rglob("*.py")})
     digest = hashlib.sha256()
     for module in modules:
-        digest.update(f"{module.name}\0{module.stat().st_size}\0".encode())
-        digest.update(module.read_bytes())
+        source = module.read_bytes()
+        digest.update(f"{module.name}\0{len(source)}\0".encode())
+        digest.update(source)
     return digest.hexdigest()[:16]
 
 
