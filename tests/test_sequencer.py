@@ -4,6 +4,7 @@ backend and without any algorithm: run functions here talk through the `Group` t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,8 +18,8 @@ from collectives.backends.errors import (
     MismatchError,
 )
 from collectives.backends.threads import ThreadFabric
-from collectives.core.group import Group
-from collectives.core.tags import TAGS_PER_COLLECTIVE
+from collectives.core.group import AGREED, EngineAgreement, Group
+from collectives.core.tags import TAGS_PER_COLLECTIVE, collective_tags
 from collectives.sequencer import Sequencer, Work, completed_work
 
 TIMEOUT = 20.0
@@ -204,6 +205,42 @@ def test_ranks_that_called_differently_fail_even_without_messages() -> None:
     for rank, error in enumerate(on_every_rank(2, body)):
         assert isinstance(error, MismatchError), (rank, error)
         assert "allreduce op=sum" in str(error) and "barrier" in str(error), str(error)
+
+
+def test_an_engine_agreement_complete_at_once_is_not_tracked() -> None:
+    """The last rank to reach an engine agreement finds it complete within its first polls and its
+    group carries `AGREED` (nothing to wait for, and a timeout later says every rank arrived); the
+    others track theirs. A disagreeing result is tracked even when complete, and every rank's
+    finish then raises the MismatchError quoting both headers."""
+    fabric = ThreadFabric(["localhost"] * 2)
+
+    def group(rank: int, index: int, header: bytes) -> Group:
+        tags = collective_tags(index, header.decode())
+        return Group(fabric.endpoint(rank), (0, 1), tags, header, time.monotonic() + TIMEOUT, TIMEOUT)
+
+    first, last = group(0, 1, b"barrier").with_agreement(), group(1, 1, b"barrier").with_agreement()
+    assert last.agreement is AGREED and isinstance(first.agreement, EngineAgreement)
+    first.finish_agreement()
+    last.finish_agreement()
+    assert first.agreement.done
+    assert last.who_is_missing(None) == "every rank reached this collective, so a rank is stuck or dead"
+    assert last.who_is_missing(0) == "every rank reached this collective, so rank 0 is stuck or dead"
+
+    first, last = group(0, 2, b"allreduce op=sum").with_agreement(), group(1, 2, b"barrier").with_agreement()
+    assert isinstance(last.agreement, EngineAgreement) and last.agreement is not first.agreement
+    errors: list[BaseException] = []
+
+    def finish(member: Group) -> None:
+        with pytest.raises(MismatchError) as caught:
+            member.finish_agreement()
+        errors.append(caught.value)
+
+    other = threading.Thread(target=finish, args=(first,), daemon=True)
+    other.start()
+    finish(last)
+    other.join(TIMEOUT)
+    assert len(errors) == 2
+    assert all("allreduce op=sum" in str(error) and "barrier" in str(error) for error in errors), errors
 
 
 def test_setup_failure_breaks(lone: Sequencer) -> None:
