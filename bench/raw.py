@@ -29,7 +29,7 @@ import numpy as np
 from collectives import Communicator
 from collectives.arguments import collective_header
 from collectives.backends.errors import MismatchError
-from collectives.core.group import header_digests
+from collectives.core.group import digests_agree, header_digests
 
 RAW = "raw"
 """The row's name, given with -a like an algorithm."""
@@ -110,7 +110,7 @@ def raw_agreed_allreduce(comm: Communicator, op: str) -> RawAllreduce:
         header = collective_header("allreduce", src, algorithm=RAW_AGREED, op=op)
         mine = header_digests(header)
         engine.Allreduce([mine, MPI.INT64_T], [agreed, MPI.INT64_T], op=MPI.MAX)
-        if agreed[0] != mine[0] or agreed[1] != mine[1]:
+        if not digests_agree(mine, agreed):
             raise MismatchError(
                 f"rank {comm.rank}: another rank called the {RAW_AGREED} all-reduce differently from this "
                 f"rank's {header.decode()}; MPI_Allreduce was not called"

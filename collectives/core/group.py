@@ -480,8 +480,7 @@ class EngineAgreement:
 
     def _conclude(self) -> None:
         self._pending = None
-        mine, result = self._mine, self._result
-        if result[0] != mine[0] or result[1] != mine[1]:
+        if not digests_agree(self._mine, self._result):
             self._raise_mismatch()
 
     def _raise_mismatch(self) -> NoReturn:
@@ -580,10 +579,16 @@ def start_engine_agreement(group: Group, tag: int) -> Agreement:
     for _ in range(_QUICK_POLLS):
         if request.test():
             request.wait(0)  # raises the request's error
-            if result[0] == mine[0] and result[1] == mine[1]:
+            if digests_agree(mine, result):
                 return AGREED
             break
     return EngineAgreement(group, tag, mine, result, request)
+
+
+def digests_agree(mine: np.ndarray, result: np.ndarray) -> bool:
+    """Whether an agreement's MAX all-reduce `result`, (max h, -min h), equals this rank's
+    contribution `mine`, (h, -h): exactly when every rank contributed the same digest."""
+    return bool(result[0] == mine[0] and result[1] == mine[1])
 
 
 _digest_cache: dict[bytes, np.ndarray] = {}
