@@ -25,6 +25,7 @@ tests install a fake runtime whose "device arrays" are numpy arrays that carry
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
@@ -40,8 +41,19 @@ Event = Any
 
 
 def is_device(x: Any) -> bool:
-    """Whether `x` is a device array (has `__cuda_array_interface__`); numpy arrays answer at once."""
-    return type(x) is not np.ndarray and hasattr(x, "__cuda_array_interface__")
+    """Whether `x` is a device array (has `__cuda_array_interface__`).
+
+    Numpy and CuPy arrays answer from their type: CuPy builds the whole interface dict to answer
+    `hasattr`, and a collective asks a dozen times. Any other type is asked for the attribute
+    itself, since some (torch's CPU tensors) have the property and raise from it.
+    """
+    kind = type(x)
+    if kind is np.ndarray:
+        return False
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and kind is cupy.ndarray:
+        return True
+    return hasattr(x, "__cuda_array_interface__")
 
 
 def cupy_module() -> ModuleType:

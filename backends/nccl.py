@@ -611,6 +611,8 @@ class NcclTransport(AgreesThrough):
         return request
 
     def _check_device(self, *buffers: Buffer) -> None:
+        """Every buffer is on this rank's GPU, so one `ready` event (on that GPU's current stream)
+        orders the caller's work on all of them."""
         for buf in buffers:
             if buf.device.id != self.device_id:
                 raise ValueError(
@@ -791,10 +793,7 @@ class NcclTransport(AgreesThrough):
                 gpu.copy(dst, on_device[1], ())
             return
         self._check_device(src, dst)
-        gpu = runtime()
-        self._run_native(
-            "ncclAllReduce", lambda world: world.allreduce(src, dst, op, (gpu.ready(src), gpu.ready(dst))), timeout
-        )
+        self._run_native("ncclAllReduce", lambda world: world.allreduce(src, dst, op, (runtime().ready(src),)), timeout)
 
     native_collectives = frozenset({"reduce_scatter", "allgather", "broadcast"})
 
@@ -803,20 +802,16 @@ class NcclTransport(AgreesThrough):
     ) -> None:
         """`ncclReduceScatter` of device buffers: `src` holds `size` equal blocks of `dst`'s size."""
         self._check_device(src, dst)
-        gpu = runtime()
         self._run_native(
             "ncclReduceScatter",
-            lambda world: world.reduce_scatter(src, dst, op, (gpu.ready(src), gpu.ready(dst))),
+            lambda world: world.reduce_scatter(src, dst, op, (runtime().ready(src),)),
             timeout,
         )
 
     def native_allgather(self, src: Buffer, dst: Buffer, timeout: float | None = None, tag: int = 0) -> None:
         """`ncclAllGather` of device buffers (as bytes: any dtype): `dst` gets `size` blocks of `src`."""
         self._check_device(src, dst)
-        gpu = runtime()
-        self._run_native(
-            "ncclAllGather", lambda world: world.allgather(src, dst, (gpu.ready(src), gpu.ready(dst))), timeout
-        )
+        self._run_native("ncclAllGather", lambda world: world.allgather(src, dst, (runtime().ready(src),)), timeout)
 
     def native_broadcast(self, buf: Buffer, root: int, timeout: float | None = None, tag: int = 0) -> None:
         """`ncclBroadcast` of a device buffer in place (as bytes: any dtype), from rank `root`."""
