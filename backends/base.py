@@ -392,9 +392,32 @@ def emulated_host(rank: int, environ: Mapping[str, str] = os.environ) -> str | N
     return f"node{rank // ranks_per_node}"
 
 
+_HEADER_LENGTH_BYTES = 2
+
+
+def header_record(header: bytes, max_header_bytes: int) -> np.ndarray:
+    """`header` as a fixed-size record (its length, then its first `max_header_bytes` bytes): what
+    an engine's all-gather moves when ranks that failed an agreement collect every rank's header."""
+    record = np.zeros(_HEADER_LENGTH_BYTES + max_header_bytes, dtype=np.uint8)
+    mine = header[:max_header_bytes]
+    record[:_HEADER_LENGTH_BYTES] = np.frombuffer(len(mine).to_bytes(_HEADER_LENGTH_BYTES, "little"), np.uint8)
+    record[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + len(mine)] = np.frombuffer(mine, np.uint8)
+    return record
+
+
+def headers_of_records(table: np.ndarray, size: int) -> list[bytes]:
+    """The headers of `size` `header_record`s laid end to end in `table`, in rank order."""
+    rows = table.reshape(size, -1)
+    headers = []
+    for row in rows:
+        length = int.from_bytes(row[:_HEADER_LENGTH_BYTES].tobytes(), "little")
+        headers.append(row[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + length].tobytes())
+    return headers
+
+
 class AgreesThrough(Transport):
-    """A transport wrapped around another, `agreeing` (host staging around MPI or gRPC, NCCL
-    beside its control transport): the header agreement is the wrapped transport's."""
+    """A transport wrapped around another, `agreeing` (host staging around MPI or gRPC): the
+    header agreement is the wrapped transport's."""
 
     agreeing: Transport
 

@@ -128,7 +128,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Transport, check_host_buffer, emulated_host
+from .base import Transport, check_host_buffer, emulated_host, header_record, headers_of_records
 from .errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -879,23 +879,13 @@ class MPITransport(Transport):
 
         An abort fails it like any request (a rank that learnt of the disagreement from a message
         raises without gathering); what MPI still has posted is then drained by `close`."""
-        record = bytearray(_HEADER_LENGTH_BYTES + MAX_HEADER_BYTES)
-        mine = header[:MAX_HEADER_BYTES]
-        record[:_HEADER_LENGTH_BYTES] = len(mine).to_bytes(_HEADER_LENGTH_BYTES, "little")
-        record[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + len(mine)] = mine
-        mine_array = np.frombuffer(record, dtype=np.uint8)
-        table = np.empty(self.size * len(record), dtype=np.uint8)
+        mine = header_record(header, MAX_HEADER_BYTES)
+        table = np.empty(self.size * mine.size, dtype=np.uint8)
         if (refusal := self._refusal()) is not None:
             raise refusal
-        gather = self._comm.Iallgather([mine_array, self._byte], [table, self._byte])
-        self._complete(gather, (mine_array, table), tag, "gathering of the headers", timeout)
-        rows = table.reshape(self.size, len(record))
-        return [
-            bytes(
-                row[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + int.from_bytes(row[:_HEADER_LENGTH_BYTES], "little")]
-            )
-            for row in rows
-        ]
+        gather = self._comm.Iallgather([mine, self._byte], [table, self._byte])
+        self._complete(gather, (mine, table), tag, "gathering of the headers", timeout)
+        return headers_of_records(table, self.size)
 
     def announce_waiting(self, tag: int) -> None:
         """Tell every peer that this rank waits in the collective whose tags start at `tag`."""

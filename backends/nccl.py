@@ -26,6 +26,19 @@ the device), and `native_reduce_scatter`, `native_allgather`, `native_broadcast`
 0's unique id sent over the channel), only after the header agreement (`Communicator` calls them
 so), ordered after the caller's stream by events.
 
+The header agreement. Every collective first establishes that all ranks called it alike. MPI
+does that in one `MPI_Iallreduce`, which this transport uses when MPI is its control transport.
+gRPC has no collective, so there the agreement would be a round of messages between the ranks,
+about 0.4 ms with 2 ranks, against 30 us for a 4 KiB ncclAllReduce. So once the world
+communicator exists (the first native collective makes it), the ranks time the agreement's own
+call on it, a MAX all-reduce of two int64 (h, -h), h a digest of the collective's header, and
+agree on the slowest rank's time in one more such call. If it is at most `AGREEMENT_SECONDS`, every
+later agreement is that call (`start_agreement`); after a disagreement, the ranks all-gather
+their headers on it to say who differs (`gather_headers`). Ranks that time-slice one GPU (two
+processes on one GPU without MPS) take about 5 ms per NCCL call, so they keep the control
+transport's round. A rank about to time out tells the others that it waits with an envelope of its
+own on the channel (`announce_waiting`), so the timeout can name the ranks that never came.
+
 Host and device buffers take different routes, so every rank of a collective must pass the same
 kind (`routes_by_buffer`: the header says which, and a mix is a `MismatchError`). Scratch for host
 data (`empty`) is host memory; probes and tuning time device buffers (`measurement_buffer`).
@@ -62,7 +75,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .base import AgreesThrough, Buffer, PostedRequest, Request, Transport, check_buffer
+from .base import (
+    Buffer,
+    PostedRequest,
+    Request,
+    Transport,
+    check_buffer,
+    header_record,
+    headers_of_records,
+)
 from .device import (
     Event,
     copy_after_queued,
@@ -87,6 +108,15 @@ _WORLD_ID_TAG = 1
 _CHANNEL_KEY = -1
 """The key of the control transport's duplicate that carries envelopes (the communicator's own
 duplicates take positive keys)."""
+_PRESENCE = -1
+"""An envelope's sequence number when it announces that its sender waits in a collective
+(`announce_waiting`), not a device message."""
+_WAITING_ENTRIES = 64
+"""Collectives whose waiting announcements are kept (the oldest are dropped)."""
+AGREEMENT_SECONDS = 250e-6
+"""The header agreement moves onto the world communicator if its all-reduce takes at most this
+on the slowest rank (see "The header agreement" above)."""
+_AGREEMENT_TRIALS = 3
 
 _SHARED_GPU_HINT = (
     "; if two ranks use one GPU (COLLECTIVES_DEVICE, LOCAL_RANK), NCCL refuses that before 2.30.3, "
@@ -487,7 +517,7 @@ class _SendEdge:
 # -- the transport ---------------------------------------------------------------------------------
 
 
-class NcclTransport(AgreesThrough):
+class NcclTransport(Transport):
     """Device buffers through NCCL, host buffers and control through `control`.
 
     Collective: every rank constructs it at the same point (it duplicates `control`). Makes its
@@ -514,11 +544,17 @@ class NcclTransport(AgreesThrough):
         self, control: Transport, *, device_id: int | None = None, timeout: float = 60.0, nccl: Library | None = None
     ) -> None:
         self._nccl = nccl if nccl is not None else library()
-        self.control = self.agreeing = control
+        self.control = control
         self.rank = control.rank
         self.size = control.size
         self.host = control.host
         self.agrees_natively = control.agrees_natively
+        self._agrees_on_world = False
+        """Whether the header agreement runs on the world communicator (see the module's text)."""
+        self._waiting: dict[int, set[int]] = {}
+        """Per collective's tag, the peers that announced they wait in it (when agreeing on the world)."""
+        self._announcements: list[tuple[Request, np.ndarray]] = []
+        """Waiting announcements still being sent, with their envelopes."""
         self.device_id = default_device(os.environ, self._nccl.device_count()) if device_id is None else device_id
         self._nccl.use_device(self.device_id)
         self.timeout = timeout
@@ -678,7 +714,13 @@ class NcclTransport(AgreesThrough):
 
     def _deliver(self, peer: int, sequence: int, tag: int, nbytes: int, header: bytes, uid: bytes | None) -> None:
         """Issue the NCCL receive of the message an envelope announces: into its posted receive,
-        else into scratch."""
+        else into scratch. (Or note that `peer` waits in the collective at `tag`.)"""
+        if sequence == _PRESENCE:
+            with self._lock:
+                if tag not in self._waiting and len(self._waiting) >= _WAITING_ENTRIES:
+                    self._waiting.pop(next(iter(self._waiting)))
+                self._waiting.setdefault(tag, set()).add(peer)
+            return
         engine = self._receive_engines.get(peer)
         if engine is None:
             if uid is None:
@@ -761,8 +803,85 @@ class NcclTransport(AgreesThrough):
             self._channel.irecv(envelope, 0, _WORLD_ID_TAG, b"nccl world id").wait(
                 max(deadline - time.monotonic(), 0.0)
             )
-        self._world = self._connect(self.size, envelope.tobytes(), self.rank, "the NCCL communicator of every rank")
-        return self._world
+        world = self._world = self._connect(
+            self.size, envelope.tobytes(), self.rank, "the NCCL communicator of every rank"
+        )
+        if not self.control.agrees_natively:
+            self._agrees_on_world = self.agrees_natively = self._world_agreement_is_fast(deadline)
+        return world
+
+    def _world_agreement_is_fast(self, deadline: float) -> bool:
+        """Time the agreement's all-reduce on the world communicator (best of a few) and share the
+        slowest rank's time in one more: every rank gets the same answer."""
+        best = float("inf")
+        for _ in range(_AGREEMENT_TRIALS):
+            start = time.perf_counter()
+            self._world_max(np.zeros(2, dtype=np.int64), np.empty(2, dtype=np.int64)).wait(
+                max(deadline - time.monotonic(), 0.0)
+            )
+            best = min(best, time.perf_counter() - start)
+        slowest = np.empty(2, dtype=np.int64)
+        self._world_max(np.array([round(best * 1e9), 0], dtype=np.int64), slowest).wait(
+            max(deadline - time.monotonic(), 0.0)
+        )
+        return bool(slowest[0] <= AGREEMENT_SECONDS * 1e9)
+
+    def _world_max(self, values: np.ndarray, result: np.ndarray) -> _WorldCall:
+        """Start the MAX all-reduce of the int64 array `values` into `result` on the world
+        communicator (made already)."""
+        assert self._world is not None
+        gpu = runtime()
+        on_device = self._nccl.scratch(2 * values.nbytes, self.device_id).view(np.int64)
+        mine, reduced = on_device[: values.size], on_device[values.size :]
+        copy_after_queued(mine, values)
+        event = self._world.allreduce(mine, reduced, "max", (gpu.ready(on_device),))
+        return _WorldCall(self, self._world, "the header agreement's ncclAllReduce", event, (result, reduced))
+
+    # -- the header agreement: the control transport's, or the world communicator's -----------
+
+    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> Request:
+        if not self._agrees_on_world:
+            return self.control.start_agreement(digest, result, tag)
+        if self._failure is not None:
+            raise self._failure
+        return self._world_max(digest, result)
+
+    def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
+        if not self._agrees_on_world:
+            return self.control.gather_headers(header, tag, timeout)
+        assert self._world is not None
+        if self._failure is not None:
+            raise self._failure
+        record = header_record(header, MAX_HEADER_BYTES)
+        on_device = self._nccl.scratch((self.size + 1) * record.size, self.device_id)
+        mine, table = on_device[: record.size], on_device[record.size :]
+        copy_after_queued(mine, record)
+        gathered = np.empty(self.size * record.size, dtype=np.uint8)
+        event = self._world.allgather(mine, table, (runtime().ready(on_device),))
+        _WorldCall(self, self._world, "the ncclAllGather of the headers", event, (gathered, table)).wait(timeout)
+        return headers_of_records(gathered, self.size)
+
+    def announce_waiting(self, tag: int) -> None:
+        if not self._agrees_on_world:
+            self.control.announce_waiting(tag)
+            return
+        self._announcements = [(send, envelope) for send, envelope in self._announcements if not send.test()]
+        envelope = encode_envelope(_PRESENCE, tag, 0, b"", None)
+        for peer, edge in self._send_edges.items():
+            if self.failure_for(peer) is not None:
+                continue
+            try:
+                with edge.lock:
+                    send = self._channel.isend(envelope, peer, _ENVELOPE_TAG, _ENVELOPE_HEADER)
+            except CollectiveError:
+                continue  # that peer is gone; the timeout names it as missing
+            self._announcements.append((send, envelope))
+
+    def waiting_ranks(self, tag: int) -> set[int]:
+        if not self._agrees_on_world:
+            return self.control.waiting_ranks(tag)
+        with self._lock:
+            return set(self._waiting.get(tag, ()))
 
     def _engines(self) -> list[Engine]:
         engines = [edge.engine for edge in self._send_edges.values() if edge.engine is not None]
@@ -829,17 +948,7 @@ class NcclTransport(AgreesThrough):
             raise self._failure
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         world = self._world_engine(deadline)
-        event = issue(world)
-
-        def finished() -> bool:
-            if world.done(event):
-                return True
-            failure = self._failure or next(iter(self._peer_failures.values()), None)
-            if failure is not None:
-                raise failure
-            return False
-
-        _poll_until(finished, deadline, lambda: f"rank {self.rank}: {what} did not complete", NATIVE_SPIN_SECONDS)
+        _WorldCall(self, world, what, issue(world)).wait(max(deadline - time.monotonic(), 0.0))
 
     def measurement_buffer(self, count: int, dtype: Any) -> Buffer:
         """Device memory on this rank's GPU: what this transport's users send, so what probes and
@@ -894,6 +1003,54 @@ class NcclTransport(AgreesThrough):
         self._channel.close()
         _bounded(self._engines(), "destroy" if healthy else "abort", f"nccl-close-rank{self.rank}")
         self.control.close()
+
+
+class _WorldCall:
+    """One operation on the world communicator, as a `Request`: done once its event has completed
+    (then its result, if any, is copied to the host), failed once this rank aborts or any peer is
+    lost (a collective never completes without every rank). An NCCL error raises from `test`."""
+
+    __slots__ = ("_transport", "_world", "_what", "_event", "_copy_back", "_error", "_settled")
+
+    def __init__(
+        self,
+        transport: NcclTransport,
+        world: Engine,
+        what: str,
+        event: Event,
+        copy_back: tuple[np.ndarray, Buffer] | None = None,
+    ) -> None:
+        self._transport = transport
+        self._world = world
+        self._what = what
+        self._event = event
+        self._copy_back = copy_back
+        """(host array, device buffer): copied once the operation has finished."""
+        self._error: BaseException | None = None
+        self._settled = False
+
+    def test(self) -> bool:
+        if self._settled:
+            return True
+        if self._world.done(self._event):
+            if self._copy_back is not None:
+                host, device = self._copy_back
+                runtime().copy(host, device, ())
+            self._settled = True
+            return True
+        transport = self._transport
+        failure = transport._failure or next(iter(transport._peer_failures.values()), None)
+        if failure is not None:
+            self._error = failure
+            self._settled = True
+        return self._settled
+
+    def wait(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rank, what = self._transport.rank, self._what
+        _poll_until(self.test, deadline, lambda: f"rank {rank}: {what} did not complete", NATIVE_SPIN_SECONDS)
+        if self._error is not None:
+            raise self._error
 
 
 def _poll_until(

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 from fake_gpu import FakeDeviceArray, FakeRuntime, installed, on_device
-from fake_nccl import FakeNccl
+from fake_nccl import FakeEngine, FakeNccl
 
 import collectives
 from collectives import Communicator
@@ -66,8 +66,12 @@ def transports(size: int, fake: FakeNccl, timeout: float = WAIT) -> list[NcclTra
     return [NcclTransport(fabric.endpoint(rank), nccl=fake, device_id=0, timeout=timeout) for rank in range(size)]
 
 
-def run_nccl(body: Callable[[Communicator], T], size: int, fake: FakeNccl, timeout: float = WAIT) -> list[T]:
-    """`run_threads` with NCCL transports: `body(comm)` on every rank, results in rank order."""
+def run_nccl(
+    body: Callable[[Communicator], T], size: int, fake: FakeNccl, timeout: float = WAIT, control_agrees: bool = True
+) -> list[T]:
+    """`run_threads` with NCCL transports: `body(comm)` on every rank, results in rank order.
+    `control_agrees=False`: the control transport has no collective of its own for the header
+    agreement, as gRPC has none."""
     fabric = ThreadFabric(["node"] * size)
     results: list[Any] = [None] * size
     failures: list[BaseException] = []
@@ -75,7 +79,9 @@ def run_nccl(body: Callable[[Communicator], T], size: int, fake: FakeNccl, timeo
     def rank_main(rank: int) -> None:
         comm = None
         try:
-            transport = NcclTransport(fabric.endpoint(rank), nccl=fake, device_id=0, timeout=timeout)
+            control = fabric.endpoint(rank)
+            control.agrees_natively = control_agrees
+            transport = NcclTransport(control, nccl=fake, device_id=0, timeout=timeout)
             comm = Communicator(transport, timeout=timeout, segment_bytes=4096)
             results[rank] = body(comm)
         except BaseException as error:  # noqa: BLE001 - re-raised below
@@ -602,3 +608,99 @@ def test_a_wait_for_an_nccl_collective_spins_before_it_sleeps(monkeypatch: pytes
     with pytest.raises(TimeoutError, match="still pending"):
         nccl._poll_until(lambda: False, start + 0.05, lambda: "still pending", spin_seconds=0.01)
     assert 0.05 <= time.monotonic() - start < 2.0
+
+
+# -- the header agreement on the world communicator --------------------------------------------------
+
+
+@pytest.fixture
+def fast_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread ranks sharing the GIL can take more than `AGREEMENT_SECONDS` for the fake's
+    all-reduce: the move onto NCCL must not depend on the machine's speed here."""
+    monkeypatch.setattr(nccl, "AGREEMENT_SECONDS", 60.0)
+
+
+def _native_first(comm: Communicator) -> NcclTransport:
+    """Make the world communicator (a native all-reduce) and return the rank's transport."""
+    transport = comm._transport
+    assert isinstance(transport, NcclTransport) and not transport.agrees_natively
+    comm.allreduce(on_device(np.ones(4, np.float32)), algorithm=NATIVE)
+    return transport
+
+
+@pytest.mark.usefixtures("gpu", "fast_world")
+@pytest.mark.parametrize("size", [2, 3])
+def test_without_a_collective_on_control_the_agreement_moves_onto_nccl(fake_nccl: FakeNccl, size: int) -> None:
+    """Over a control transport with no collective (gRPC), once the world communicator exists and
+    its all-reduce is fast, every collective agrees in one ncclAllReduce on it, and every
+    collective still gives the threads backend's exact results on every rank."""
+
+    def body(comm: Communicator) -> Any:
+        transport = _native_first(comm)
+        assert transport.agrees_natively
+        world = transport._world
+        assert isinstance(world, FakeEngine)
+        before = len(world.collectives)
+        results = (_collectives(comm, on_device), _collectives(comm, np.asarray))
+        assert world.collectives.count("allreduce") - world.collectives[:before].count("allreduce") >= 10
+        return results
+
+    host = collectives.run_threads(lambda comm: _collectives(comm, np.asarray), size, segment_bytes=4096)
+    for rank, (on_gpu, on_host) in enumerate(run_nccl(body, size, fake_nccl, control_agrees=False)):
+        for name, result in [*on_gpu.items(), *on_host.items()]:
+            np.testing.assert_array_equal(result, host[rank][name], err_msg=f"rank {rank} {name}")
+
+
+@pytest.mark.usefixtures("gpu")
+def test_ranks_whose_nccl_calls_are_slow_keep_the_control_agreement(
+    fake_nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the world's all-reduce is slower than `AGREEMENT_SECONDS` on any rank (ranks that
+    time-slice one GPU), agreements stay on the control transport."""
+    monkeypatch.setattr(nccl, "AGREEMENT_SECONDS", 0.0)
+
+    def body(comm: Communicator) -> Any:
+        transport = _native_first(comm)
+        assert not transport.agrees_natively
+        return comm.allreduce(on_device(np.full(3, comm.rank + 1.0)), algorithm="ring")
+
+    for result in run_nccl(body, 2, fake_nccl, control_agrees=False):
+        np.testing.assert_array_equal(result, np.full(3, 3.0))
+
+
+@pytest.mark.usefixtures("gpu", "fast_world")
+def test_after_the_move_a_rank_that_calls_differently_gets_a_mismatch_naming_both(fake_nccl: FakeNccl) -> None:
+    """The agreement on NCCL finds a disagreement in its all-reduce, and the all-gather of the
+    headers on NCCL says which rank called what, on every rank."""
+
+    def body(comm: Communicator) -> Any:
+        transport = _native_first(comm)
+        with pytest.raises(MismatchError) as caught:  # native: no message of its own can tell first
+            comm.allreduce(on_device(np.ones(4 + comm.rank, np.float32)), algorithm=NATIVE)
+        assert isinstance(transport._world, FakeEngine) and transport._world.collectives[-1] == "allgather"
+        return str(caught.value)
+
+    for rank, message in enumerate(run_nccl(body, 2, fake_nccl, control_agrees=False)):
+        assert "(4,)" in message and "(5,)" in message, message
+        assert f"rank {1 - rank}" in message, message
+
+
+@pytest.mark.usefixtures("gpu", "fast_world")
+def test_after_the_move_a_timeout_names_the_rank_that_never_came(fake_nccl: FakeNccl) -> None:
+    """Ranks waiting in the agreement's all-reduce tell each other so over the channel, and their
+    timeout names the rank that did not say it waits."""
+    timeout = 1.0
+
+    def body(comm: Communicator) -> Any:
+        _native_first(comm)
+        if comm.rank == 2:
+            time.sleep(timeout * 3)
+            return None
+        with pytest.raises(CollectiveTimeoutError) as caught:
+            comm.allreduce(on_device(np.ones(4, np.float32)), algorithm="ring")
+        return str(caught.value)
+
+    messages = run_nccl(body, 3, fake_nccl, timeout=timeout, control_agrees=False)
+    for message in messages[:2]:
+        assert "rank 2 did not reach this collective" in message, message
+        assert "ranks 0, 1 said they wait in it" in message, message
