@@ -704,3 +704,25 @@ def test_after_the_move_a_timeout_names_the_rank_that_never_came(fake_nccl: Fake
     for message in messages[:2]:
         assert "rank 2 did not reach this collective" in message, message
         assert "ranks 0, 1 said they wait in it" in message, message
+
+
+@pytest.mark.usefixtures("gpu", "fast_world")
+def test_after_the_move_a_lost_peer_fails_the_agreement_at_once(fake_nccl: FakeNccl) -> None:
+    """A rank waiting in the agreement's all-reduce on NCCL, which can never complete without its
+    peer, fails with `PeerLostError` naming the peer as soon as the peer's control connection goes,
+    long before its timeout."""
+    timeout = 30.0
+
+    def body(comm: Communicator) -> Any:
+        _native_first(comm)
+        if comm.rank == 1:
+            time.sleep(0.3)
+            comm.close()
+            return None
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match="rank 1") as caught:
+            comm.allreduce(on_device(np.ones(4, np.float32)), algorithm=NATIVE)
+        return time.monotonic() - start, str(caught.value)
+
+    seconds, message = run_nccl(body, 2, fake_nccl, timeout=timeout, control_agrees=False)[0]
+    assert seconds < timeout / 3, message
