@@ -125,7 +125,7 @@ class Communicator:
         """The algorithm the most recent all-reduce call resolved to (after "auto")."""
         hosts = self._sequencer.run_setup(_SETUP_HEADER, lambda group: _exchange_hosts(group, transport.host))
         self.topology = Topology(hosts)
-        self._selector = self._new_selector(DEFAULT_LINK_COSTS)
+        self._selector = self.selector_for(DEFAULT_LINK_COSTS)
         self._work_space = np.empty(0, dtype=np.uint8)
         """Scratch kept between collectives (see `_reusable_work_space`)."""
         self._duplicates = itertools.count()
@@ -601,7 +601,7 @@ class Communicator:
             return self._selector.costs
         topology = self.topology
         costs = self._sequencer.call(b"probe links", lambda group: probe_links(group, topology))
-        self._selector = self._new_selector(costs)
+        self._selector = self.selector_for(costs)
         return costs
 
     def tune(
@@ -621,7 +621,7 @@ class Communicator:
         if self.size == 1:
             return Tuning(())
         costs, tuning = load_or_measure(self, sizes, backend=self._backend, cache_dir=cache_dir, use_cache=use_cache)
-        self._selector = self._new_selector(costs, tuning)
+        self._selector = self.selector_for(costs, tuning)
         return tuning
 
     def calibrate(self) -> Tuning:
@@ -631,7 +631,7 @@ class Communicator:
         if self.size == 1:
             return Tuning(())
         costs, tuning = calibrate(self, backend=self._backend)
-        self._selector = self._new_selector(costs, tuning)
+        self._selector = self.selector_for(costs, tuning)
         return tuning
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -647,19 +647,27 @@ class Communicator:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- internals --------------------------------------------------------------------------------
+    # -- what probes and tuning measure -------------------------------------------------------------
 
-    def _new_selector(self, costs: LinkCosts, tuning: Tuning | None = None) -> Selector:
-        """A selector for the buffers the transport is measured with (device memory over NCCL):
-        its link costs and segment size describe the same kind of buffer."""
+    def measurement_buffer(self, count: int, dtype: Any) -> Any:
+        """An uninitialised array of `count` items where this backend's users' buffers live
+        (device memory over NCCL, host memory elsewhere): what probes and tuning time."""
+        return self._transport.measurement_buffer(count, dtype)
+
+    @property
+    def measured_segment_bytes(self) -> int:
+        """The segment size of `measurement_buffer`'s arrays: what the selector predicts with, and
+        what a tuning file is valid for."""
+        return self._segment_bytes(self.measurement_buffer(0, np.uint8))
+
+    def selector_for(self, costs: LinkCosts, tuning: Tuning | None = None) -> Selector:
+        """The selector `auto` would use with `costs` (and `tuning`): this communicator's
+        candidates, predicting for `measurement_buffer`'s arrays and their segment size."""
         return Selector(
-            self.topology, costs, self._measured_segment_bytes(), tuning, native=self._transport.has_native_allreduce
+            self.topology, costs, self.measured_segment_bytes, tuning, native=self._transport.has_native_allreduce
         )
 
-    def _measured_segment_bytes(self) -> int:
-        """The segment size of the buffers the transport is probed and tuned with (device memory
-        over NCCL): what the selector predicts with, and what a tuning file is valid for."""
-        return self._segment_bytes(self._transport.measurement_buffer(0, np.uint8))
+    # -- internals --------------------------------------------------------------------------------
 
     def _segment_bytes(self, buf: Any) -> int:
         """The pipelining granularity for `buf`: `device_segment_bytes` for a GPU array."""

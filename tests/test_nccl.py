@@ -480,7 +480,7 @@ def test_a_device_calibration_out_of_budget_keeps_both_ends(
     monkeypatch.setattr(tuning, "QUICK_ROUNDS", 1)
 
     def body(comm: Communicator) -> Any:
-        candidates = len(comm._new_selector(comm.link_costs).candidates)
+        candidates = len(comm.selector_for(comm.link_costs).candidates)
         # each size: two clock readings per candidate's call, then one for the budget
         monkeypatch.setattr(tuning, "QUICK_DEVICE_BUDGET", (3 * candidates + 1.5) * 1e-3)
         _one_millisecond_per_call(comm)

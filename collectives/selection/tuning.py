@@ -172,7 +172,7 @@ def _layout_words(topology: Topology, backend: str, segment_bytes: int) -> str:
 
 def _cache_path(comm: Communicator, backend: str, cache_dir: str | os.PathLike | None) -> tuple[Path, str, str]:
     """`comm`'s tuning file, its fingerprint, and what the fingerprint stands for in words."""
-    topology, segment_bytes = comm.topology, comm._measured_segment_bytes()
+    topology, segment_bytes = comm.topology, comm.measured_segment_bytes
     fingerprint = _cache_fingerprint(topology, backend, segment_bytes)
     path = cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint)
     return path, fingerprint, _layout_words(topology, backend, segment_bytes)
@@ -210,7 +210,7 @@ def calibrate(comm: Communicator, *, backend: str) -> tuple[LinkCosts, Tuning]:
     if (cached := _read_shared(comm, path, fingerprint)) is not None:
         return cached
     costs = comm.probe()
-    on_device = arrays.is_device(comm._transport.measurement_buffer(0, np.uint8))
+    on_device = arrays.is_device(comm.measurement_buffer(0, np.uint8))
     sizes, budget = (QUICK_DEVICE_SIZES, QUICK_DEVICE_BUDGET) if on_device else (QUICK_SIZES, QUICK_BUDGET)
     return costs, measure(comm, costs, sizes, rounds=QUICK_ROUNDS, budget=budget)
 
@@ -260,12 +260,12 @@ def measure(
     `budget` (seconds), no further size is started once the slowest rank has spent it; the tuning
     then covers the sizes measured (every rank stops after the same size: they compare the same
     all-reduced time)."""
-    selector = comm._new_selector(costs)
+    selector = comm.selector_for(costs)
     clock = comm.clock
     began = clock()
     ratios: dict[str, list[float | None]] = {a: [None] * len(sizes) for a in selector.candidates}
     measured = len(sizes)
-    like = comm._transport.measurement_buffer(0, np.float32)  # where the backend's users' buffers live
+    like = comm.measurement_buffer(0, np.float32)
     for index, nbytes in enumerate(sizes):
         predicted = selector.predictions(nbytes)
         src = arrays.empty(max(1, nbytes // 4), np.float32, like)
