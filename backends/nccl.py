@@ -647,8 +647,8 @@ class NcclTransport(Transport):
         return request
 
     def _check_device(self, *buffers: Buffer) -> None:
-        """Every buffer is on this rank's GPU, so one `ready` event (on that GPU's current stream)
-        orders the caller's work on all of them."""
+        """Raise ValueError unless every buffer is on this rank's GPU. After it, one `ready` event
+        (on that GPU's current stream) orders the caller's work on all of them."""
         for buf in buffers:
             if buf.device.id != self.device_id:
                 raise ValueError(
