@@ -19,6 +19,7 @@ What is checked:
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -331,6 +332,18 @@ def _nccl_reason() -> str | None:
     return None
 
 
+def _sharing_one_gpu_under_mps() -> bool:
+    """Whether ranks here share the one GPU through MPS: a control daemon's pipe is where CUDA
+    clients look for it (`CUDA_MPS_PIPE_DIRECTORY`, default /tmp/nvidia-mps)."""
+    import cupy
+
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control"
+    return cupy.cuda.runtime.getDeviceCount() < 2 and pipe.exists()
+
+
+_UNDER_MPS = "; run the GPU tests without MPS (docs/benchmarks.md)"
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64", "uint8"])
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
 def test_nccl_world_of_one_runs_the_native_collectives(cupy: Any, dtype: str, op: str) -> None:
@@ -369,6 +382,8 @@ def test_nccl_ranks_run_every_device_body(ranks: int, layout: list[str]) -> None
     reason = _nccl_reason()
     if reason is not None:
         pytest.skip(reason)
+    if ranks > 2 and _sharing_one_gpu_under_mps():
+        pytest.skip("under MPS, ncclAllReduce of 3 processes on one GPU stalls from 1 MiB (NCCL 2.32.3)" + _UNDER_MPS)
     result = launch_job(
         ["--backend", "nccl", "-n", str(ranks), *layout, BODIES_SCRIPT, *DEVICE_BODIES],
         timeout=_JOB_TIMEOUT,
@@ -408,6 +423,8 @@ def test_nccl_survivor_of_a_killed_peer_raises_within_its_timeout(tmp_path: Path
     reason = _nccl_reason()
     if reason is not None:
         pytest.skip(reason)
+    if algorithm == "native" and _sharing_one_gpu_under_mps():
+        pytest.skip("under MPS, a killed client whose NCCL kernel waits for a peer is never let go" + _UNDER_MPS)
     script = str(Path(__file__).resolve().parent / "gpu_scripts" / "nccl_killed_peer.py")
     launch_job(
         ["--backend", "nccl", "-n", "2", script, str(_KILL_TIMEOUT), str(tmp_path), algorithm],
