@@ -5,7 +5,7 @@ Levels (names as in `logging`, any case, or a number):
 
 - unset or WARNING (the default): nothing but warnings and errors;
 - INFO: once per process, the backend and the topology; once per communicator, each new choice of
-  `auto` (size class -> algorithm);
+  `auto` (size class -> algorithm), and over NCCL with gRPC control where the header agreement runs;
 - DEBUG: also every collective as it is submitted.
 
 `init()` applies the level and the rank prefix. Without the variable, the library installs no

@@ -11,6 +11,7 @@ real NCCL.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -630,10 +631,13 @@ def _native_first(comm: Communicator) -> NcclTransport:
 
 @pytest.mark.usefixtures("gpu", "fast_world")
 @pytest.mark.parametrize("size", [2, 3])
-def test_without_a_collective_on_control_the_agreement_moves_onto_nccl(fake_nccl: FakeNccl, size: int) -> None:
+def test_without_a_collective_on_control_the_agreement_moves_onto_nccl(
+    fake_nccl: FakeNccl, size: int, caplog: pytest.LogCaptureFixture
+) -> None:
     """Over a control transport with no collective (gRPC), once the world communicator exists and
-    its all-reduce is fast, every collective agrees in one ncclAllReduce on it, and every
-    collective still gives the threads backend's exact results on every rank."""
+    its all-reduce is fast, every collective agrees in one ncclAllReduce on it (an INFO line says
+    so), and every collective still gives the threads backend's exact results on every rank."""
+    caplog.set_level(logging.INFO, logger="collectives")
 
     def body(comm: Communicator) -> Any:
         transport = _native_first(comm)
@@ -649,15 +653,18 @@ def test_without_a_collective_on_control_the_agreement_moves_onto_nccl(fake_nccl
     for rank, (on_gpu, on_host) in enumerate(run_nccl(body, size, fake_nccl, control_agrees=False)):
         for name, result in [*on_gpu.items(), *on_host.items()]:
             np.testing.assert_array_equal(result, host[rank][name], err_msg=f"rank {rank} {name}")
+    moved = [r.getMessage() for r in caplog.records if "ncclAllReduce on the world communicator" in r.getMessage()]
+    assert len(moved) == size and all(message.endswith("agreements run on it") for message in moved), moved
 
 
 @pytest.mark.usefixtures("gpu")
 def test_ranks_whose_nccl_calls_are_slow_keep_the_control_agreement(
-    fake_nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch
+    fake_nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Where the world's all-reduce is slower than `AGREEMENT_SECONDS` on any rank (ranks that
-    time-slice one GPU), agreements stay on the control transport."""
+    time-slice one GPU), agreements stay on the control transport, and an INFO line says so."""
     monkeypatch.setattr(nccl, "AGREEMENT_SECONDS", 0.0)
+    caplog.set_level(logging.INFO, logger="collectives")
 
     def body(comm: Communicator) -> Any:
         transport = _native_first(comm)
@@ -666,6 +673,7 @@ def test_ranks_whose_nccl_calls_are_slow_keep_the_control_agreement(
 
     for result in run_nccl(body, 2, fake_nccl, control_agrees=False):
         np.testing.assert_array_equal(result, np.full(3, 3.0))
+    assert sum("agreements run on the control transport" in r.getMessage() for r in caplog.records) == 2
 
 
 @pytest.mark.usefixtures("gpu", "fast_world")
