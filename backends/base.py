@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .device import is_device
 from .errors import CollectiveError
 
 Buffer = Any
@@ -344,7 +345,7 @@ class Transport(abc.ABC):
 
 def check_buffer(buf: Buffer) -> None:
     """Reject buffers the contract does not allow, with a message saying what was expected."""
-    if not isinstance(buf, np.ndarray) and not hasattr(buf, "__cuda_array_interface__"):
+    if not isinstance(buf, np.ndarray) and not is_device(buf):
         raise TypeError(f"transport buffers must be arrays, got {type(buf).__name__}")
     _check_shape(buf)
 
@@ -352,7 +353,7 @@ def check_buffer(buf: Buffer) -> None:
 def check_host_buffer(buf: Buffer, backend: str) -> None:
     """`check_buffer` for a transport that moves host memory only: a device array is refused
     (handed its pointer, the engine would read device memory as host memory)."""
-    if type(buf) is not np.ndarray and hasattr(buf, "__cuda_array_interface__"):
+    if is_device(buf):
         raise TypeError(
             f"the {backend} transport moves host memory and got a device array ({type(buf).__name__}); "
             f"device buffers go through host staging: wrap the transport in "
@@ -392,16 +393,17 @@ def emulated_host(rank: int, environ: Mapping[str, str] = os.environ) -> str | N
     return f"node{rank // ranks_per_node}"
 
 
-_HEADER_LENGTH_BYTES = 2
+HEADER_LENGTH_BYTES = 2
+"""Bytes that carry a header's length (headers are at most 65535 bytes) in records and envelopes."""
 
 
 def header_record(header: bytes, max_header_bytes: int) -> np.ndarray:
     """`header` as a fixed-size record (its length, then its first `max_header_bytes` bytes): what
     an engine's all-gather moves when ranks that failed an agreement collect every rank's header."""
-    record = np.zeros(_HEADER_LENGTH_BYTES + max_header_bytes, dtype=np.uint8)
+    record = np.zeros(HEADER_LENGTH_BYTES + max_header_bytes, dtype=np.uint8)
     mine = header[:max_header_bytes]
-    record[:_HEADER_LENGTH_BYTES] = np.frombuffer(len(mine).to_bytes(_HEADER_LENGTH_BYTES, "little"), np.uint8)
-    record[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + len(mine)] = np.frombuffer(mine, np.uint8)
+    record[:HEADER_LENGTH_BYTES] = np.frombuffer(len(mine).to_bytes(HEADER_LENGTH_BYTES, "little"), np.uint8)
+    record[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + len(mine)] = np.frombuffer(mine, np.uint8)
     return record
 
 
@@ -410,8 +412,8 @@ def headers_of_records(table: np.ndarray, size: int) -> list[bytes]:
     rows = table.reshape(size, -1)
     headers = []
     for row in rows:
-        length = int.from_bytes(row[:_HEADER_LENGTH_BYTES].tobytes(), "little")
-        headers.append(row[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + length].tobytes())
+        length = int.from_bytes(row[:HEADER_LENGTH_BYTES].tobytes(), "little")
+        headers.append(row[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + length].tobytes())
     return headers
 
 

@@ -128,7 +128,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Transport, check_host_buffer, emulated_host, header_record, headers_of_records
+from .base import HEADER_LENGTH_BYTES, Transport, check_host_buffer, emulated_host, header_record, headers_of_records
 from .errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -148,8 +148,7 @@ INLINE_BYTES = 4096
 
 
 _LENGTH_BYTES = 8
-_HEADER_LENGTH_BYTES = 2
-_ENVELOPE_BYTES = _LENGTH_BYTES + _HEADER_LENGTH_BYTES + MAX_HEADER_BYTES + INLINE_BYTES
+_ENVELOPE_BYTES = _LENGTH_BYTES + HEADER_LENGTH_BYTES + MAX_HEADER_BYTES + INLINE_BYTES
 _CONTROL_BYTES = 4096
 _SUSPECT = b"S"
 """Flag in an abort notice: the origin believes a peer may be dead (see `_abort_job_at_exit`)."""
@@ -448,7 +447,7 @@ class _Recv(_Request):
         """The envelope differs from the expected one: say how, in every backend's words."""
         raw = self._slot[0]
         sent_bytes = int.from_bytes(raw[:_LENGTH_BYTES], "little")
-        start = _LENGTH_BYTES + _HEADER_LENGTH_BYTES
+        start = _LENGTH_BYTES + HEADER_LENGTH_BYTES
         length = min(int.from_bytes(raw[_LENGTH_BYTES:start], "little"), MAX_HEADER_BYTES)
         sent = bytes(raw[start : start + length])
         error = mismatch_error(self._t.rank, self.peer, self.tag, self._header, self._buf.nbytes, sent, sent_bytes)
@@ -639,9 +638,7 @@ class MPITransport(Transport):
             raise ValueError(f"header is {len(header)} bytes; the MPI transport carries at most {MAX_HEADER_BYTES}")
         if len(self._prefixes) >= _PREFIX_CACHE_ENTRIES:
             self._prefixes.clear()
-        prefix = (
-            nbytes.to_bytes(_LENGTH_BYTES, "little") + len(header).to_bytes(_HEADER_LENGTH_BYTES, "little") + header
-        )
+        prefix = nbytes.to_bytes(_LENGTH_BYTES, "little") + len(header).to_bytes(HEADER_LENGTH_BYTES, "little") + header
         self._prefixes[header, nbytes] = prefix
         return prefix
 
