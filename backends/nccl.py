@@ -840,13 +840,29 @@ class NcclTransport(Transport):
     def _world_max(self, values: np.ndarray, result: np.ndarray) -> _WorldCall:
         """Start the MAX all-reduce of the int64 array `values` into `result` on the world
         communicator (made already)."""
+        return self._on_world(
+            "the header agreement's ncclAllReduce",
+            values,
+            result,
+            lambda world, mine, out, after: world.allreduce(mine, out, "max", after),
+        )
+
+    def _on_world(
+        self,
+        what: str,
+        values: np.ndarray,
+        result: np.ndarray,
+        issue: Callable[[Engine, Buffer, Buffer, Sequence[Event]], Event],
+    ) -> _WorldCall:
+        """Start `issue(world, mine, out, after)` on the world communicator (made already) for host
+        arrays: `values` is copied into the device scratch `mine`, and `out` (`result`'s size) is
+        copied back into `result` once the call has finished."""
         assert self._world is not None
-        gpu = runtime()
-        on_device = self._nccl.scratch(2 * values.nbytes, self.device_id).view(np.int64)
-        mine, reduced = on_device[: values.size], on_device[values.size :]
+        on_device = self._nccl.scratch(values.nbytes + result.nbytes, self.device_id).view(values.dtype)
+        mine, out = on_device[: values.size], on_device[values.size :]
         copy_after_queued(mine, values)
-        event = self._world.allreduce(mine, reduced, "max", (gpu.ready(on_device),))
-        return _WorldCall(self, self._world, "the header agreement's ncclAllReduce", event, (result, reduced))
+        event = issue(self._world, mine, out, (runtime().ready(on_device),))
+        return _WorldCall(self, self._world, what, event, (result, out))
 
     # -- the header agreement: the control transport's, or the world communicator's -----------
 
@@ -860,16 +876,16 @@ class NcclTransport(Transport):
     def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
         if not self._agrees_on_world:
             return self.control.gather_headers(header, tag, timeout)
-        assert self._world is not None
         if self._failure is not None:
             raise self._failure
         record = header_record(header, MAX_HEADER_BYTES)
-        on_device = self._nccl.scratch((self.size + 1) * record.size, self.device_id)
-        mine, table = on_device[: record.size], on_device[record.size :]
-        copy_after_queued(mine, record)
         gathered = np.empty(self.size * record.size, dtype=np.uint8)
-        event = self._world.allgather(mine, table, (runtime().ready(on_device),))
-        _WorldCall(self, self._world, "the ncclAllGather of the headers", event, (gathered, table)).wait(timeout)
+        self._on_world(
+            "the ncclAllGather of the headers",
+            record,
+            gathered,
+            lambda world, mine, out, after: world.allgather(mine, out, after),
+        ).wait(timeout)
         return headers_of_records(gathered, self.size)
 
     def announce_waiting(self, tag: int) -> None:
