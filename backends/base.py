@@ -252,6 +252,11 @@ class Transport(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no native all-reduce")
 
+    native_meets: bool = False
+    """Whether `native_allreduce` is a meeting of ranks that share one memory, each reading the
+    others' buffers (threads), rather than an engine's messages (MPI, NCCL): the cost model
+    weighs the two differently."""
+
     native_collectives: frozenset[str] = frozenset()
     """Which of "reduce_scatter", "allgather" and "broadcast" the engine also runs itself on
     device buffers (NCCL); `Communicator` uses them instead of its ring and tree."""

@@ -181,6 +181,7 @@ class StagedTransport(AgreesThrough):
         self.fuses_receive_reduce = inner.fuses_receive_reduce
         self.has_native_allreduce = inner.has_native_allreduce
         self.native_dtypes = inner.native_dtypes
+        self.native_meets = inner.native_meets
         self.native_host_collectives = inner.native_host_collectives
         self.agrees_natively = inner.agrees_natively
         self.duplicable = inner.duplicable

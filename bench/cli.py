@@ -38,6 +38,7 @@ from collectives.algorithms.parameter_server import NAME as PARAMETER_SERVER
 from collectives.algorithms.parameter_server import parameter_server
 from collectives.backends.device import gpu_unavailable_reason
 from collectives.backends.simulated import Link
+from collectives.backends.threads import ThreadTransport
 from collectives.core.ops import ReduceOp
 
 from .measure import DEVICES, FIXED_ALGORITHM, SweepSpec
@@ -104,8 +105,9 @@ def _link(text: str) -> Link:
         raise argparse.ArgumentTypeError(f"expected ALPHA_SECONDS,GB_PER_S such as 1e-6,50; got {text!r}") from None
 
 
-_NATIVE_BACKENDS = ("mpi", "nccl")
-"""Backends whose engine has an all-reduce of its own (`algorithm="native"`)."""
+_NATIVE_BACKENDS = ("threads", "mpi", "nccl")
+"""Backends whose engine has an all-reduce of its own (`algorithm="native"`; threads: one meeting
+of every rank, the last to arrive reducing)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,10 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithms",
         default=None,
         help=f"comma-separated all-reduce algorithms from auto,{','.join(allreduce_algorithms())},{NATIVE},{RAW},"
-        f"{RAW_AGREED} (native: the engine's all-reduce through the library, MPI and NCCL only; raw: the same "
+        f"{RAW_AGREED} (native: the engine's all-reduce through the library, threads, MPI and NCCL only; raw: the same "
         f"engine call with no library around it; {RAW_AGREED}, MPI only: raw after the header agreement's "
         f"engine call, the least a library checking every call can cost); default {','.join(default_allreduce())} "
-        f"(+native,raw on MPI and NCCL); the other "
+        f"(+native on threads, +native,raw on MPI and NCCL); the other "
         f"collectives have one algorithm each ({', '.join(f'{c}: {a}' for c, a in FIXED_ALGORITHM.items())}; "
         f"native on nccl, and allgather on mpi)",
     )
@@ -261,13 +263,20 @@ def build_scaling_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _native_fits(backend: str, dtype: str) -> bool:
+    """Whether the backend's native all-reduce takes `dtype`: on threads, known here; elsewhere the
+    engine's own types, which the run itself checks."""
+    return backend != "threads" or dtype in {d.name for d in ThreadTransport.native_dtypes}
+
+
 def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
     """Check the options against each other and the backend; the `SweepSpec` every rank runs."""
     collective = args.collective
     device = checked_device(args)
     default: tuple[str, ...]
     if collective == "allreduce":
-        default = (*default_allreduce(), NATIVE) if args.backend in _NATIVE_BACKENDS else default_allreduce()
+        native = args.backend in _NATIVE_BACKENDS and _native_fits(args.backend, args.dtype)
+        default = (*default_allreduce(), NATIVE) if native else default_allreduce()
         known = {"auto", NATIVE, *allreduce_algorithms()}
     else:  # the engine's own where the Communicator takes it: NCCL's for device buffers (a
         # reduce-scatter of uneven rows the ring), MPI's all-gather for host buffers
@@ -281,7 +290,10 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         known.add(RAW_AGREED)
     algorithms = asked_algorithms(args, ranks, known) or default
     if NATIVE in algorithms and args.backend not in _NATIVE_BACKENDS:
-        raise UsageError(f"algorithm {NATIVE!r} needs --backend mpi or nccl")
+        raise UsageError(f"algorithm {NATIVE!r} needs --backend threads, mpi or nccl")
+    if NATIVE in algorithms and not _native_fits(args.backend, args.dtype):
+        known_dtypes = ", ".join(d.name for d in ThreadTransport.native_dtypes)
+        raise UsageError(f"algorithm {NATIVE!r} on threads reduces {known_dtypes}, not {args.dtype}")
     try:
         dtype = np.dtype(args.dtype)
     except TypeError:

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from collectives import NATIVE
 from collectives.core.topology import LinkCosts
 
 from .measure import COPY_BOUND, IN_PLACE, OUT_OF_PLACE, Measurement, SweepResult
@@ -70,18 +69,19 @@ def format_table(result: SweepResult) -> str:
 def format_explained(result: SweepResult) -> str:
     """Measured out-of-place time beside the model's (tuned, if tuned) prediction; `*` marks auto's
     pick, and auto's row says how far it is from the fastest of its candidates measured at that
-    size (not `native`, which auto does not choose from)."""
+    size (the algorithms the model predicted: `native` where the backend has it, never `raw`)."""
     rows = [r for r in result.rows if r.placement == OUT_OF_PLACE and r.algorithm != COPY_BOUND]
     lines = [
         f"{'size':>12} {'algorithm':>18} {'measured(us)':>13} {'model(us)':>11} {'auto':>18} {'#wrong':>7}  vs fastest"
     ]
     for row in rows:
         choice = result.choices.get(row.nbytes, "")
-        predicted = result.predicted.get(row.nbytes, {}).get(row.algorithm)
+        candidates = result.predicted.get(row.nbytes, {})
+        predicted = candidates.get(row.algorithm)
         model = f"{predicted * 1e6:>11.1f}" if predicted is not None else f"{'-':>11}"
         mark = choice if row.algorithm == "auto" else ("*" if row.algorithm == choice else "")
         line = f"{row.nbytes:>12} {row.algorithm:>18} {row.seconds * 1e6:>13.1f} {model} {mark:>18} {row.wrong:>7}"
-        others = [r for r in rows if r.nbytes == row.nbytes and r.algorithm not in ("auto", NATIVE)]
+        others = [r for r in rows if r.nbytes == row.nbytes and r.algorithm in candidates]
         if row.algorithm == "auto" and others:
             fastest = min(others, key=lambda r: r.seconds)
             line += f"  {row.seconds / fastest.seconds - 1:+.1%} ({fastest.algorithm})"

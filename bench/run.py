@@ -46,7 +46,7 @@ def rank_sweep(
         predicted: dict[int, dict[str, float]] = {}
         if spec.collective == "allreduce":
             for nbytes in sorted({row.nbytes for row in rows}):
-                explanation = comm.explain(nbytes)
+                explanation = comm.explain(nbytes, spec.dtype)
                 choices[nbytes] = explanation.choice
                 predicted[nbytes] = dict(explanation.corrected)
         costs = describe_link_costs(comm.link_costs) if spec.collective == "allreduce" else ""

@@ -67,7 +67,7 @@ from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMEN
 from collectives.core.ops import ReduceOp, finalize
 from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
-from collectives.selection.native import NATIVE
+from collectives.selection.native import NATIVE, native_model
 from collectives.selection.probe import probe_links
 from collectives.selection.selector import Explanation, Selector, Tuning
 from collectives.selection.tuning import TUNE_SIZES, autotune_mode, calibrate, load_or_measure
@@ -585,13 +585,15 @@ class Communicator:
 
     # -- algorithm selection ----------------------------------------------------------------------
 
-    def explain(self, nbytes: int) -> Explanation:
+    def explain(self, nbytes: int, dtype: Any = None) -> Explanation:
         """What `algorithm="auto"` would choose for an all-reduce of `nbytes`, and why: the predicted
         (and, after `calibrate()` or `tune()`, corrected) time of every candidate.
-        `print()` it for a table."""
+        `print()` it for a table. With `dtype`, the choice leaves out "native" where the backend's
+        own all-reduce cannot reduce that dtype, as `auto` does (`native_dtypes`)."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        return self._selector.explain(int(nbytes))
+        native_fits = dtype is None or np.dtype(dtype) in self._transport.native_dtypes
+        return self._selector.explain(int(nbytes), native_fits=native_fits)
 
     def probe(self) -> LinkCosts:
         """Measure latency and bandwidth inside and across nodes, and the reduction speed, and let
@@ -663,9 +665,7 @@ class Communicator:
     def selector_for(self, costs: LinkCosts, tuning: Tuning | None = None) -> Selector:
         """The selector `auto` would use with `costs` (and `tuning`): this communicator's
         candidates, predicting for `measurement_buffer`'s arrays and their segment size."""
-        return Selector(
-            self.topology, costs, self.measured_segment_bytes, tuning, native=self._transport.has_native_allreduce
-        )
+        return Selector(self.topology, costs, self.measured_segment_bytes, tuning, native=native_model(self._transport))
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -678,7 +678,7 @@ class Communicator:
             if algorithm == NATIVE:
                 if not self._transport.has_native_allreduce:
                     raise ValueError(
-                        f"algorithm 'native' needs a backend with its own all-reduce (MPI, NCCL); "
+                        f"algorithm 'native' needs a backend with its own all-reduce (threads, MPI, NCCL); "
                         f"{self._backend} has none"
                     )
             else:

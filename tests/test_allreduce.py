@@ -22,6 +22,7 @@ from conftest import (
 )
 
 import collectives
+from collectives.backends.threads import NATIVE_SHARES_BYTES
 
 
 def sweep_counts(world_size: int) -> list[int]:
@@ -201,13 +202,14 @@ AUTO_CASES = [
     pytest.param(3, 1, "direct", "ring", id="p3-rank_per_node"),
     pytest.param(2, 1, "direct", "ring", id="p2-rank_per_node"),
 ]
-"""With the default link costs: a few ranks send a tiny message straight to every other (one step
-instead of the ring's 2(p-1) or the trees' 2 log2(p)), until 8 messages leaving each rank cost
-more than the hierarchical algorithm's steps (p9); one node (or one rank per node) has no use for
-the hierarchical algorithms and the double tree's coupled pipeline loses to the ring for large
-messages; on nodes of equal size the hierarchical ring wins; with a one-rank node (uneven layouts,
-4+4+1) the hierarchical algorithm's shards are the whole buffer, so large messages go back to the
-flat ring."""
+"""With the default link costs, among the library's algorithms (float16, which the threads
+backend's native all-reduce does not take; with float32 it would win every case): a few ranks
+send a tiny message straight to every other (one step instead of the ring's 2(p-1) or the trees'
+2 log2(p)), until 8 messages leaving each rank cost more than the hierarchical algorithm's steps
+(p9); one node (or one rank per node) has no use for the hierarchical algorithms and the double
+tree's coupled pipeline loses to the ring for large messages; on nodes of equal size the
+hierarchical ring wins; with a one-rank node (uneven layouts, 4+4+1) the hierarchical algorithm's
+shards are the whole buffer, so large messages go back to the flat ring."""
 
 
 @pytest.mark.parametrize(("world_size", "ranks_per_node", "small_choice", "large_choice"), AUTO_CASES)
@@ -218,15 +220,16 @@ def test_auto_resolves_by_size_and_topology(
     every rank alike, to what `explain` says the
     selector chooses (the lowest corrected time), records it in `last_algorithm`, and gives the
     right result; an explicit name is recorded as given."""
-    small = np.ones(16, np.float32)
-    large = np.ones(8 * 1024 * 1024 // 4, np.float32)
+    small = np.ones(16, np.float16)
+    large = np.ones(8 * 1024 * 1024 // 2, np.float16)
 
     def body(comm: collectives.Communicator) -> list[Any]:
-        seen: list[Any] = [comm.last_algorithm, [comm.explain(x.nbytes).choice for x in (small, large)]]
+        seen: list[Any] = [comm.last_algorithm, [comm.explain(x.nbytes, x.dtype).choice for x in (small, large)]]
         for x in (small, large):
             result = comm.allreduce(x)
-            explained = comm.explain(x.nbytes)
-            assert explained.choice == min(explained.corrected, key=explained.corrected.__getitem__)
+            explained = comm.explain(x.nbytes, x.dtype)
+            library = {a: t for a, t in explained.corrected.items() if a != collectives.NATIVE}
+            assert explained.choice == min(library, key=library.__getitem__)
             seen.append((comm.last_algorithm, explained.choice, bool(np.all(result == world_size))))
         comm.allreduce(small, algorithm="reference")
         seen.append(comm.last_algorithm)
@@ -354,3 +357,29 @@ def test_allreduce_buffer_larger_than_internal_blocks(algorithm: str) -> None:
     results = collectives.run_threads(body, 3, ranks_per_node=[2, 1])
     assert_reduced(results[0], [make_input(r, count, np.float32) for r in range(3)], "sum")
     assert_identical(results)
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "mean"])
+def test_native_allreduce_on_threads_in_shares_and_auto_choosing_it(op: str) -> None:
+    """Above `NATIVE_SHARES_BYTES` every rank reduces a share of the threads backend's native
+    all-reduce: the float64 reference, bit-identical on every rank, in place too. On the default
+    link costs `auto` takes it at 4 KiB (one hand-off where the others make several)."""
+    count = NATIVE_SHARES_BYTES // 4 + 3
+
+    def body(comm: collectives.Communicator) -> tuple[np.ndarray, np.ndarray, str]:
+        x = np.random.default_rng(comm.rank).uniform(-1, 1, count).astype(np.float32)
+        given = x.copy()
+        result = comm.allreduce(x, op=op, algorithm="native")
+        np.testing.assert_array_equal(x, given)
+        comm.allreduce(x, op=op, algorithm="native", out=x)
+        return result, x, comm.explain(4096, np.float32).choice
+
+    results = collectives.run_threads(body, 3)
+    inputs = [np.random.default_rng(rank).uniform(-1, 1, count).astype(np.float32) for rank in range(3)]
+    stacked = np.stack(inputs).astype(np.float64)
+    reference = {"sum": stacked.sum(axis=0), "max": stacked.max(axis=0), "mean": stacked.mean(axis=0)}[op]
+    for rank, (result, in_place, choice) in enumerate(results):
+        np.testing.assert_allclose(result, reference, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(result, results[0][0], err_msg=f"rank {rank} differs from rank 0")
+        np.testing.assert_array_equal(in_place, result, err_msg=f"rank {rank} in place")
+        assert choice == collectives.NATIVE

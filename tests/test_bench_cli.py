@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from collectives import BackendUnavailableError, Communicator, allreduce_algorithms
+from collectives import NATIVE, BackendUnavailableError, Communicator, allreduce_algorithms
 from collectives.bench import cli, measure
 from collectives.bench.commands import main
 from collectives.bench.measure import IN_PLACE, OUT_OF_PLACE, bus_factor
@@ -67,7 +67,9 @@ def test_defaults_and_options_reach_the_spec() -> None:
         "hierarchical_tree",
         "parameter_server",
         "auto",
+        "native",
     )
+    assert _spec("-d", "float16").algorithms[-1] == "auto"  # threads' native reduces no float16
     spec = _spec(
         "-c", "reduce_scatter", "-o", "max", "-d", "int64", "-w", "1", "-i", "5", "-b", "1K", "-e", "4K", "-f", "2"
     )
@@ -103,7 +105,8 @@ def test_auto_is_tuned_unless_told_otherwise() -> None:
         (["-o", "mean", "-d", "int32"], "floating-point"),
         (["-c", "allgather", "-o", "sum"], "takes no reduction op"),
         (["-a", "ring,bogus"], "bogus"),
-        (["-a", "native"], "--backend mpi"),
+        (["--backend", "grpc", "-a", "native"], "--backend threads, mpi"),
+        (["-a", "native", "-d", "float16"], "reduces float32"),
         (["-c", "broadcast", "-r", "4"], "root"),
         (["-o", "median"], "unknown reduction op"),
         (["-d", "float16", "-n", "64"], "float16"),
@@ -226,7 +229,7 @@ def test_csv_and_json_hold_the_same_rows_and_the_run(tmp_path) -> None:
     environment = document["environment"]
     assert {"hostname", "timestamp", "versions", "load_average"} <= environment.keys()
     assert {"python", "numpy", "collectives"} <= environment["versions"].keys()
-    assert document["auto_choice"]["4096"] in allreduce_algorithms()
+    assert document["auto_choice"]["4096"] in (*allreduce_algorithms(), NATIVE)
     json.dumps(document)  # plain JSON all the way down
 
 
@@ -303,7 +306,7 @@ def test_explain_puts_the_model_beside_the_measurement_and_auto_beside_the_faste
     assert set(rows) == {"ring", "tree", "auto"}
     assert all(float(rows[a][3]) > 0 for a in ("ring", "tree"))  # the model's prediction
     choice = rows["auto"][4]  # may be an algorithm not measured here
-    assert choice in allreduce_algorithms()
+    assert choice in (*allreduce_algorithms(), NATIVE)
     assert [a for a in ("ring", "tree") if rows[a][4] == "*"] == ([choice] if choice in rows else [])
     fastest = min(("ring", "tree"), key=lambda a: float(rows[a][2]))
     gap = float(rows["auto"][2]) / float(rows[fastest][2]) - 1

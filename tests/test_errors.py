@@ -454,7 +454,10 @@ BAD_CALLS = [
         id="unknown-algorithm",
     ),
     pytest.param(
-        lambda c: c.allreduce(np.ones(4), algorithm="native"), ValueError, ["'native'"], id="algorithm-native"
+        lambda c: c.allreduce(np.ones(4, np.float16), algorithm="native"),
+        TypeError,
+        ["'native'", "float16", "float32"],
+        id="native-float16",
     ),
     pytest.param(lambda c: c.allreduce(np.ones(4), out=np.empty(5)), ValueError, ["(4,)", "(5,)"], id="out-shape"),
     pytest.param(

@@ -36,7 +36,7 @@ from collectives.backends.errors import (
     PeerLostError,
 )
 from collectives.backends.nccl import NcclRequest, NcclTransport, decode_envelope, encode_envelope
-from collectives.backends.threads import ThreadFabric
+from collectives.backends.threads import ThreadFabric, ThreadTransport
 from collectives.selection import tuning
 from collectives.selection.native import NATIVE
 
@@ -420,10 +420,14 @@ def test_init_with_the_nccl_backend(fake_nccl: FakeNccl, monkeypatch: pytest.Mon
         comm.close()
 
 
-def test_host_buffers_reach_the_native_allreduce_through_the_device(fake_nccl: FakeNccl, gpu: FakeRuntime) -> None:
+def test_host_buffers_reach_the_native_allreduce_through_the_device(
+    fake_nccl: FakeNccl, gpu: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`auto` may pick native for numpy input too, and tuning measures with the transport's own
-    buffers (device memory): both work. The copy into the fresh device buffer waits for the stream
-    that may still use its memory."""
+    buffers (device memory): both work, over a control transport without an all-reduce of its own
+    (gRPC's; the threads' one is switched off here). The copy into the fresh device buffer waits
+    for the stream that may still use its memory."""
+    monkeypatch.setattr(ThreadTransport, "has_native_allreduce", False)
 
     def body(comm: Communicator) -> Any:
         assert isinstance(comm._transport.measurement_buffer(3, np.float32), FakeDeviceArray)

@@ -141,7 +141,7 @@ def test_explain_lists_every_candidate() -> None:
     explanation = collectives.run_threads(body, 4, ranks_per_node=2)[0]
     text = str(explanation)
     assert explanation.choice in text and "<- auto" in text
-    expected = {"direct", "ring", "tree", "hierarchical", "hierarchical_tree", "parameter_server"}
+    expected = {"direct", "ring", "tree", "hierarchical", "hierarchical_tree", "parameter_server", "native"}
     assert set(explanation.predicted) == expected
     assert explanation.choice == min(explanation.predicted, key=explanation.predicted.__getitem__)
     with pytest.raises(ValueError):

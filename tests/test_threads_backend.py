@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from collectives.backends import threads as threads_backend
 from collectives.backends.base import Transport, check_buffer
 from collectives.backends.errors import (
     CollectiveError,
@@ -307,3 +308,110 @@ def test_concurrent_streams_between_many_threads() -> None:
         thread.join(30)
     assert len(received) == 12
     assert all(values == list(range(messages)) for values in received.values())
+
+
+# -- the native all-reduce: a meeting of every rank -------------------------------------------------
+
+NATIVE_MODES = [pytest.param(1 << 40, id="reduced-alone"), pytest.param(0, id="in-shares")]
+"""`NATIVE_SHARES_BYTES` values that put every buffer below it (the last rank to arrive reduces
+all) or at it (every rank reduces a share)."""
+
+
+def _native_allreduce(
+    world: ThreadFabric, sources: list[np.ndarray], destinations: list[np.ndarray], op: str = "sum"
+) -> list[BaseException | None]:
+    """Every rank's native all-reduce of its source into its destination, each on a thread of its
+    own; what each raised."""
+    errors: list[BaseException | None] = [None] * world.size
+
+    def rank_main(rank: int) -> None:
+        try:
+            world.endpoint(rank).native_allreduce(sources[rank], destinations[rank], op, timeout=10, tag=3)
+        except Exception as error:
+            errors[rank] = error
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(world.size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    return errors
+
+
+@pytest.mark.parametrize("shares_bytes", NATIVE_MODES)
+@pytest.mark.parametrize("size", [1, 3, 4])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_native_allreduce_reduces_in_rank_order_identically_everywhere(
+    monkeypatch: pytest.MonkeyPatch, shares_bytes: int, size: int, dtype: str, op: str, in_place: bool
+) -> None:
+    """Every rank gets exactly op(rank 0, rank 1, ...) in the dtype, in rank order (which also
+    matches the float64 reference closely), whoever arrives last, in place too; inputs passed
+    out of place are left as they were."""
+    monkeypatch.setattr(threads_backend, "NATIVE_SHARES_BYTES", shares_bytes)
+    rng = np.random.default_rng([size, len(dtype), len(op)])
+    count = 1001
+    if np.dtype(dtype).kind == "i":
+        inputs = [rng.integers(-3, 4, count).astype(dtype) for _ in range(size)]
+    else:
+        inputs = [rng.uniform(-1, 1, count).astype(dtype) for _ in range(size)]
+    sources = [x.copy() for x in inputs]
+    destinations = sources if in_place else [np.zeros_like(x) for x in inputs]
+    assert _native_allreduce(fabric(size), sources, destinations, op) == [None] * size
+    ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    in_rank_order = inputs[0].copy()
+    for x in inputs[1:]:
+        in_rank_order = ufunc(in_rank_order, x)
+    reference = ufunc.reduce(np.stack(inputs).astype(np.float64), axis=0)
+    for rank in range(size):
+        np.testing.assert_array_equal(destinations[rank], in_rank_order, err_msg=f"rank {rank}")
+        np.testing.assert_allclose(destinations[rank], reference, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+        if not in_place:
+            np.testing.assert_array_equal(sources[rank], inputs[rank], err_msg=f"rank {rank}: input modified")
+
+
+@pytest.mark.parametrize("shares_bytes", NATIVE_MODES)
+def test_native_allreduce_of_differing_buffers_fails_everywhere_naming_them(
+    monkeypatch: pytest.MonkeyPatch, shares_bytes: int
+) -> None:
+    monkeypatch.setattr(threads_backend, "NATIVE_SHARES_BYTES", shares_bytes)
+    sources = [np.ones(4, np.float32), np.ones(5, np.float32), np.ones(4, np.float32)]
+    errors = _native_allreduce(fabric(3), sources, [x.copy() for x in sources])
+    for rank, error in enumerate(errors):
+        assert isinstance(error, MismatchError), f"rank {rank}: {error!r}"
+        assert f"rank {rank}:" in str(error) and "rank 0 float32[4], rank 1 float32[5]" in str(error)
+
+
+def test_native_allreduce_in_shares_refuses_a_destination_over_another_ranks_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A share written there could be read by another rank: every rank fails, none writes."""
+    monkeypatch.setattr(threads_backend, "NATIVE_SHARES_BYTES", 0)
+    memory = np.arange(9, dtype=np.float64)
+    sources = [memory[0:8], memory[1:9]]
+    destinations = [memory[1:9], np.zeros(8)]
+    errors = _native_allreduce(fabric(2), sources, destinations)
+    for rank, error in enumerate(errors):
+        assert isinstance(error, CollectiveError), f"rank {rank}: {error!r}"
+        assert "rank 0's destination overlaps rank 0's source" in str(error)
+    np.testing.assert_array_equal(memory, np.arange(9))
+
+
+def test_native_allreduce_refuses_what_it_cannot_reduce() -> None:
+    endpoint = fabric(1).endpoint(0)
+    with pytest.raises(TypeError, match="float16"):
+        endpoint.native_allreduce(np.ones(3, np.float16), np.ones(3, np.float16), "sum")
+    with pytest.raises(ValueError, match="'mean'"):
+        endpoint.native_allreduce(np.ones(3), np.ones(3), "mean")
+    with pytest.raises(ValueError, match="one dtype and size"):
+        endpoint.native_allreduce(np.ones(3), np.ones(4), "sum")
+
+
+def test_native_allreduce_times_out_while_a_rank_is_missing_and_says_who() -> None:
+    """The request stays in the meeting; the fabric knows who waits in it."""
+    world = fabric(3)
+    with pytest.raises(TimeoutError):
+        world.endpoint(0).native_allreduce(np.ones(3), np.ones(3), "sum", timeout=0.05, tag=9)
+    assert world.arrived("native all-reduce", 9) == {0}

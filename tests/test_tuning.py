@@ -123,7 +123,7 @@ def test_cache_command_runs_without_warnings(tmp_path) -> None:
 def test_selector_weighs_native_only_where_asked_and_where_it_fits() -> None:
     topology = Topology(("a", "a", "b", "b"))
     without = Selector(topology, DEFAULT_LINK_COSTS, 1 << 20)
-    with_native = Selector(topology, DEFAULT_LINK_COSTS, 1 << 20, native=True)
+    with_native = Selector(topology, DEFAULT_LINK_COSTS, 1 << 20, native=native_cost)
     assert NATIVE not in without.candidates and with_native.candidates[-1] == NATIVE
     assert with_native.predictions(4096)[NATIVE] == native_cost(4096, topology, DEFAULT_LINK_COSTS) > 0
     assert with_native.choose(4096) == NATIVE  # no Python per message: cheapest at small sizes

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from collectives.algorithms.registry import auto_candidates, predict
 from collectives.core.topology import LinkCosts, Topology
-from collectives.selection.native import NATIVE, native_cost
+from collectives.selection.native import NATIVE, NativeCost
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +106,16 @@ class Selector:
         segment_bytes: int,
         tuning: Tuning | None = None,
         *,
-        native: bool = False,
+        native: NativeCost | None = None,
     ) -> None:
-        """`native`: the backend has its own all-reduce, and `auto` weighs it too."""
+        """`native`: the cost model of the backend's own all-reduce, where it has one
+        (`collectives.selection.native.native_model`); `auto` then weighs it too."""
         self.topology = topology
         self.costs = costs
         self.segment_bytes = segment_bytes
         self.tuning = tuning
         self.native = native
-        self.candidates = (*auto_candidates(topology), *((NATIVE,) if native else ()))
+        self.candidates = (*auto_candidates(topology), *((NATIVE,) if native is not None else ()))
         self._chosen: dict[tuple[int, bool], str] = {}
         self._announced: set[tuple[int, str]] = set()
         """(size class, algorithm) pairs already logged at INFO, so each new choice is logged once."""
@@ -122,8 +123,8 @@ class Selector:
     def predictions(self, nbytes: int) -> dict[str, float]:
         """Model seconds of every candidate at `nbytes`."""
         return {
-            a: native_cost(nbytes, self.topology, self.costs)
-            if a == NATIVE
+            a: self.native(nbytes, self.topology, self.costs)
+            if a == NATIVE and self.native is not None
             else predict(a, nbytes, self.topology, self.costs, self.segment_bytes)
             for a in self.candidates
         }
@@ -165,12 +166,13 @@ class Selector:
             others,
         )
 
-    def explain(self, nbytes: int) -> Explanation:
+    def explain(self, nbytes: int, *, native_fits: bool = True) -> Explanation:
+        """Every candidate's predicted and corrected time at `nbytes`, and `choose`'s pick."""
         return Explanation(
             nbytes=nbytes,
             predicted=self.predictions(nbytes),
             corrected=self.corrected(nbytes),
-            choice=self.choose(nbytes),
+            choice=self.choose(nbytes, native_fits=native_fits),
             costs=self.costs,
             tuned=self.tuning is not None,
         )
