@@ -289,6 +289,20 @@ class Transport(abc.ABC):
         rank, for the collective whose tags start at `tag`. Only with `agrees_natively`."""
         raise NotImplementedError(f"{type(self).__name__} has no native agreement")
 
+    def agrees_in_native_allreduce(self, buf: Buffer) -> bool:
+        """Whether a native all-reduce of `buf` can run inside the header agreement's own engine
+        call (`start_agreement_with_allreduce`), so that one call both agrees and reduces."""
+        return False
+
+    def start_agreement_with_allreduce(
+        self, digest: np.ndarray, result: np.ndarray, tag: int, src: Buffer, dst: Buffer, op: str
+    ) -> Request:
+        """`start_agreement`, whose engine call also all-reduces every rank's `src` into its `dst`
+        (op: sum, max, min or prod; `src` may be `dst`) where every rank contributed the same
+        digest with buffers of its own; elsewhere `dst` is left as it was. The request completes
+        once both are done. Only where `agrees_in_native_allreduce(src)`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot all-reduce in its agreement")
+
     def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
         """Every rank's `header`, in rank order (after an agreement failed, to say who differs).
 

@@ -28,7 +28,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -266,19 +266,20 @@ def _reduce_in_rank_order(reduce: np.ufunc, sources: list[np.ndarray]) -> np.nda
     return result
 
 
-def _check_alike(buffers: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """Raise MismatchError unless every rank's (source, destination) has the first one's size and
-    dtype (ranks that called with different buffers)."""
-    first = buffers[0][0]
-    if any(source.dtype != first.dtype or source.size != first.size for source, _ in buffers):
-        held = ", ".join(f"rank {rank} {source.dtype}[{source.size}]" for rank, (source, _) in enumerate(buffers))
+def _check_alike(sources: list[np.ndarray]) -> None:
+    """Raise MismatchError unless every rank's source has the first one's size and dtype (ranks
+    that called with different buffers)."""
+    first = sources[0]
+    if any(source.dtype != first.dtype or source.size != first.size for source in sources):
+        held = ", ".join(f"rank {rank} {source.dtype}[{source.size}]" for rank, source in enumerate(sources))
         raise MismatchError(f"the ranks' buffers differ: {held}")
 
 
 def _reduce_alone(reduce: np.ufunc, buffers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """The native all-reduce's combine below `NATIVE_SHARES_BYTES`: every source reduced here."""
-    _check_alike(buffers)
-    return _reduce_in_rank_order(reduce, [source for source, _ in buffers])
+    sources = [source for source, _ in buffers]
+    _check_alike(sources)
+    return _reduce_in_rank_order(reduce, sources)
 
 
 def _plan_shares(buffers: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -287,7 +288,7 @@ def _plan_shares(buffers: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.
     than its own exactly (one array passed on several ranks, or views of one array at different
     offsets) would have a share written where another rank still reads: that raises ValueError,
     which fails every rank's meeting."""
-    _check_alike(buffers)
+    _check_alike([source for source, _ in buffers])
     for rank, (_, destination) in enumerate(buffers):
         for other, (source, _) in enumerate(buffers):
             if np.may_share_memory(destination, source) and not _same_memory(destination, source):
@@ -300,6 +301,44 @@ def _plan_shares(buffers: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
+
+
+class _Joining(NamedTuple):
+    """A rank's contribution to a header agreement's meeting that carries a native all-reduce
+    (`start_agreement_with_allreduce`): its digests (h, -h), its source and the function of its
+    op. A plain agreement contributes its digests alone."""
+
+    digest: np.ndarray
+    src: np.ndarray
+    reduce: np.ufunc
+
+
+def _agree(joined: list[np.ndarray | _Joining]) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """The combine of a header agreement's meeting: the MAX of every rank's digests, (max h,
+    -min h); where every rank brought the same digest with a source, also those sources reduced
+    in rank order (ranks that called anything else, or differently, reduce nothing)."""
+    carrying = [joining for joining in joined if isinstance(joining, _Joining)]
+    if not carrying:  # the plain agreement, every rank's
+        return np.maximum.reduce(cast(list[np.ndarray], joined))
+    digests = np.maximum.reduce([joining.digest if isinstance(joining, _Joining) else joining for joining in joined])
+    if digests[0] != -digests[1]:
+        return digests
+    if len(carrying) < len(joined):  # alike calls that disagree on where the reduction runs
+        ranks = [rank for rank, joining in enumerate(joined) if isinstance(joining, _Joining)]
+        raise MismatchError(f"ranks {ranks} all-reduce in the header agreement, the others after it")
+    sources = [joining.src for joining in carrying]
+    _check_alike(sources)
+    return digests, _reduce_in_rank_order(carrying[0].reduce, sources)
+
+
+def _take_agreement(result: np.ndarray, dst: np.ndarray, agreed: np.ndarray | tuple[np.ndarray, np.ndarray]) -> None:
+    """A carrying rank's share of a header agreement's meeting: the digests' MAX into `result`,
+    and the reduction, where there is one, into the all-reduce's `dst`."""
+    if isinstance(agreed, tuple):
+        np.copyto(result, agreed[0])
+        np.copyto(dst, agreed[1])
+    else:
+        np.copyto(result, agreed)
 
 
 def _nothing(_: object) -> None:
@@ -375,19 +414,7 @@ class ThreadTransport(Transport):
             CollectiveError: from `NATIVE_SHARES_BYTES` on, a rank's `dst` overlaps a `src` other
                 than its own exactly (a share would be written where another rank reads).
         """
-        reduce = _UFUNCS.get(op)
-        if reduce is None:
-            raise ValueError(f"unknown op {op!r} for native all-reduce; expected one of {sorted(_UFUNCS)}")
-        check_buffer(src)
-        check_buffer(dst)
-        if src.dtype != dst.dtype or src.size != dst.size:
-            raise ValueError(
-                f"native_allreduce needs src and dst of one dtype and size, "
-                f"got {src.dtype}[{src.size}] and {dst.dtype}[{dst.size}]"
-            )
-        if src.dtype not in self.native_dtypes:
-            known = ", ".join(str(d) for d in self.native_dtypes)
-            raise TypeError(f"native all-reduce cannot reduce {src.dtype} on threads; it supports {known}")
+        reduce = self._reduction(src, dst, op)
         deadline = None if timeout is None else time.monotonic() + timeout
         host_src, host_dst = src, dst
         if is_device(src):
@@ -410,6 +437,23 @@ class ThreadTransport(Transport):
         if host_dst is not dst:
             copy_after_queued(dst, host_dst)
 
+    def _reduction(self, src: Buffer, dst: Buffer, op: str) -> np.ufunc:
+        """The function that reduces `src` into `dst` by `op`, once the buffers are checked."""
+        reduce = _UFUNCS.get(op)
+        if reduce is None:
+            raise ValueError(f"unknown op {op!r} for native all-reduce; expected one of {sorted(_UFUNCS)}")
+        check_buffer(src)
+        check_buffer(dst)
+        if src.dtype != dst.dtype or src.size != dst.size:
+            raise ValueError(
+                f"native_allreduce needs src and dst of one dtype and size, "
+                f"got {src.dtype}[{src.size}] and {dst.dtype}[{dst.size}]"
+            )
+        if src.dtype not in self.native_dtypes:
+            known = ", ".join(str(d) for d in self.native_dtypes)
+            raise TypeError(f"native all-reduce cannot reduce {src.dtype} on threads; it supports {known}")
+        return reduce
+
     def _write_share(
         self, reduce: np.ufunc, buffers: list[tuple[np.ndarray, np.ndarray]], tag: int, deadline: float | None
     ) -> None:
@@ -425,7 +469,21 @@ class ThreadTransport(Transport):
     agrees_natively = True
 
     def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> LockRequest:
-        return self.fabric.meet(_AGREE, self.rank, tag, digest, np.maximum.reduce, functools.partial(np.copyto, result))
+        return self.fabric.meet(_AGREE, self.rank, tag, digest, _agree, functools.partial(np.copyto, result))
+
+    def agrees_in_native_allreduce(self, buf: Buffer) -> bool:
+        """Host buffers below `NATIVE_SHARES_BYTES`: the last rank to arrive at the agreement's
+        meeting reduces them and copies the result into every rank's `dst`, so that a small
+        native all-reduce is one meeting instead of two. (A device buffer needs its copies on its
+        own rank's stream, and a larger one the shares' second meeting, both after the meeting.)"""
+        return not is_device(buf) and buf.nbytes < NATIVE_SHARES_BYTES
+
+    def start_agreement_with_allreduce(
+        self, digest: np.ndarray, result: np.ndarray, tag: int, src: Buffer, dst: Buffer, op: str
+    ) -> LockRequest:
+        reduce = self._reduction(src, dst, op)
+        take = functools.partial(_take_agreement, result, dst)
+        return self.fabric.meet(_AGREE, self.rank, tag, _Joining(digest, src, reduce), _agree, take)
 
     def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
         gathered: list[bytes] = []

@@ -62,7 +62,7 @@ from collectives.backends.device import runtime
 from collectives.backends.errors import CollectiveTimeoutError
 from collectives.backends.staged import with_host_staging
 from collectives.core.arrays import empty, is_device, may_share_memory
-from collectives.core.group import Group
+from collectives.core.group import Group, HeaderCheck
 from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds
 from collectives.core.ops import ReduceOp, finalize
 from collectives.core.schedule import drive
@@ -258,10 +258,15 @@ class Communicator:
             return _Local(copy_back(result, target, flat), src)
         header = collective_header("allreduce", src, algorithm=chosen, op=op.value)
         if chosen == NATIVE:
+            # in a meeting (threads), where a rank's buffers live decides how they join it
+            says_buffer = self._transport.native_meets
+            if self._transport.agrees_in_native_allreduce(flat):
+                run_native = functools.partial(self._native_allreduce_in_agreement, flat, target, result, op)
+                return self._planned(header, run_native, src, check=HeaderCheck.IN_ENGINE_CALL, says_buffer=says_buffer)
             run_native = functools.partial(
                 self._native_reduction, "all-reduce", self._transport.native_allreduce, flat, target, result, op
             )
-            return self._planned(header, run_native, src)
+            return self._planned(header, run_native, src, says_buffer=says_buffer)
         nodes, segment_bytes = self.topology.nodes, self._segment_bytes(src)
 
         def run(group: Group) -> np.ndarray:
@@ -270,7 +275,8 @@ class Communicator:
             return copy_back(result, target)
 
         # every rank receives every other rank's buffer, header and all (see Group.with_agreement)
-        return self._planned(header, run, src, agreement_implied=chosen == "direct" and src.nbytes > 0)
+        implied = chosen == "direct" and src.nbytes > 0
+        return self._planned(header, run, src, check=HeaderCheck.IMPLIED if implied else HeaderCheck.AGREEMENT)
 
     def _native_reduction(
         self,
@@ -288,6 +294,18 @@ class Communicator:
         self._run_native(
             group, what, lambda remaining: native(flat, target, native_op, timeout=remaining, tag=group.tags.start)
         )
+        finalize(op, target, self.size)
+        return copy_back(result, target)
+
+    def _native_allreduce_in_agreement(
+        self, flat: np.ndarray, target: np.ndarray, result: np.ndarray, op: ReduceOp, group: Group
+    ) -> np.ndarray:
+        """The engine's all-reduce of `flat` into `target` inside the header agreement's own engine
+        call (`Transport.agrees_in_native_allreduce`): one call where `_native_reduction` makes
+        two. The call reduces only where every rank agreed; where one did not, the agreement
+        raises `MismatchError` as it does before any collective."""
+        native_op = "sum" if op is ReduceOp.MEAN else op.value
+        group.agreeing_in_allreduce(flat, target, native_op).finish_agreement()
         finalize(op, target, self.size)
         return copy_back(result, target)
 
@@ -409,8 +427,8 @@ class Communicator:
             return copy_back(result, target)
 
         # with 2 ranks each receives the other's block, header and all (see Group.with_agreement)
-        implied = self.size == 2 and src.nbytes > 0
-        return self._planned(collective_header("allgather", src, algorithm="ring"), run, src, agreement_implied=implied)
+        check = HeaderCheck.IMPLIED if self.size == 2 and src.nbytes > 0 else HeaderCheck.AGREEMENT
+        return self._planned(collective_header("allgather", src, algorithm="ring"), run, src, check=check)
 
     def broadcast(self, x: Any, root: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Return rank `root`'s `x` on every rank (pipelined binary tree; NCCL's own for device
@@ -473,8 +491,8 @@ class Communicator:
         if self.size == 1:
             return _Local(None)
         if self._transport.agrees_natively:
-            return b"barrier", _agreement_only, False
-        return b"barrier", _run_barrier, True
+            return b"barrier", _agreement_only, HeaderCheck.AGREEMENT
+        return b"barrier", _run_barrier, HeaderCheck.IMPLIED
 
     def alltoall(self, x: Any, send_counts: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Send rows of `x` to every rank and receive theirs (pairwise exchange).
@@ -533,15 +551,15 @@ class Communicator:
         """Run a planned collective now and return its result (the blocking form)."""
         if isinstance(plan, _Local):
             return plan.result
-        header, run, agreement_implied = plan
-        return self._sequencer.call(header, run, agreement_implied=agreement_implied)
+        header, run, check = plan
+        return self._sequencer.call(header, run, check=check)
 
     def _start(self, plan: _Plan) -> Work:
         """Queue a planned collective; its `Work` gets the result (the async form)."""
         if isinstance(plan, _Local):
             return completed_work(plan.result)
-        header, run, agreement_implied = plan
-        return self._sequencer.submit(header, run, agreement_implied=agreement_implied)
+        header, run, check = plan
+        return self._sequencer.submit(header, run, check=check)
 
     # -- duplication ------------------------------------------------------------------------------
 
@@ -687,24 +705,31 @@ class Communicator:
         return self._selector.choose(nbytes, native_fits=dtype in self._transport.native_dtypes)
 
     def _planned(
-        self, header: bytes, run: Callable[[Group], Any], src: Any, *, agreement_implied: bool = False
+        self,
+        header: bytes,
+        run: Callable[[Group], Any],
+        src: Any,
+        *,
+        check: HeaderCheck = HeaderCheck.AGREEMENT,
+        says_buffer: bool = False,
     ) -> _Plan:
         """The plan of a collective of `src`; for a device array, `run` ordered on the GPU.
-        `agreement_implied`: its messages prove the header agreement (`Group.with_agreement`).
+        `check`: how it shows that every rank called it alike (`Group.with_agreement`).
 
         The collective may run on the communication thread, whose current stream is not the
         caller's: it first waits for an event recorded now on the caller's stream (the kernels that
         produced `src`, or still read `out`), and synchronizes its own stream before returning, so
         that the `Work` completes only when the result is on the device.
 
-        Where the transport routes host and device buffers different ways (NCCL), the header says
-        which this rank passed: a rank passing the other kind fails the agreement with a
-        `MismatchError` instead of waiting on a route its peers do not use.
+        Where the transport routes host and device buffers different ways (NCCL), or `says_buffer`
+        (the collective treats them differently), the header says which this rank passed: a rank
+        passing the other kind fails the agreement with a `MismatchError` instead of waiting on a
+        route its peers do not use.
         """
-        if self._transport.routes_by_buffer:
+        if says_buffer or self._transport.routes_by_buffer:
             header += b" buffer=device" if is_device(src) else b" buffer=host"
         if not is_device(src):
-            return header, run, agreement_implied
+            return header, run, check
         gpu = runtime()
         ready = gpu.ready(src)
 
@@ -714,7 +739,7 @@ class Communicator:
             gpu.synchronize(src)
             return result
 
-        return header, run_on_device, agreement_implied
+        return header, run_on_device, check
 
     def _reusable_work_space(self, like: Any) -> Any:
         """Uninitialised scratch of `like`'s size and dtype, kept for the next collective.
@@ -748,9 +773,9 @@ class _Local:
         self.result = result
 
 
-_Plan = tuple[bytes, Callable[[Group], Any], bool] | _Local
+_Plan = tuple[bytes, Callable[[Group], Any], HeaderCheck] | _Local
 """A collective ready to run: the header its messages carry, the function that runs it on its
-group and whether its messages prove the header agreement; or, with nothing to exchange, its
+group and how it shows that every rank called it alike; or, with nothing to exchange, its
 result."""
 
 

@@ -27,7 +27,7 @@ lock), and may overlap each other and the caller's work. Threads that need to co
 same time use one communicator each (`Communicator.dup`).
 
 The sequencer knows nothing of algorithms: a collective is a header and a function of a `Group`
-(and whether its own messages prove the header agreement, `Group.with_agreement(implied=True)`).
+(and how it shows that every rank called it alike, `Group.with_agreement`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 from collectives.backends.base import Transport
 from collectives.backends.errors import LIBRARY_TAGS, CommunicatorBrokenError, ConcurrentUseError
-from collectives.core.group import Group
+from collectives.core.group import Group, HeaderCheck
 from collectives.core.tags import TAGS_PER_COLLECTIVE, collective_tags
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,8 @@ class _Task:
     run: Callable[[Group], Any]
     work: Work | None
     """Where an async call's result goes; None for a blocking call run on its caller's thread."""
-    agreement_implied: bool = False
-    """The collective's own messages prove the header agreement (`Group.with_agreement`)."""
+    check: HeaderCheck = HeaderCheck.AGREEMENT
+    """How it shows that every rank called it alike (`Group.with_agreement`)."""
 
 
 class Sequencer:
@@ -153,7 +153,7 @@ class Sequencer:
             self._break(error, _SETUP_SEQUENCE)
             raise
 
-    def submit(self, header: bytes, run: Callable[[Group], Any], *, agreement_implied: bool = False) -> Work:
+    def submit(self, header: bytes, run: Callable[[Group], Any], *, check: HeaderCheck = HeaderCheck.AGREEMENT) -> Work:
         """Give `run` the next place in the call order and queue it for the communication thread;
         the returned `Work` gets its result.
 
@@ -164,14 +164,14 @@ class Sequencer:
         """
         work = Work()
         with self._submit_lock:
-            task = self._numbered(header, run, work, agreement_implied)
+            task = self._numbered(header, run, work, check)
             self._enqueue(task)
         return work
 
-    def call(self, header: bytes, run: Callable[[Group], T], *, agreement_implied: bool = False) -> T:
+    def call(self, header: bytes, run: Callable[[Group], T], *, check: HeaderCheck = HeaderCheck.AGREEMENT) -> T:
         """Give `run` the next place in the call order and return its result once it has run: on
         this thread when nothing is queued or running, else on the communication thread after the
-        calls ahead of it. No other thread may call meanwhile. `agreement_implied`: see
+        calls ahead of it. No other thread may call meanwhile. `check`: see
         `Group.with_agreement`.
 
         Raises:
@@ -182,7 +182,7 @@ class Sequencer:
         """
         caller = threading.get_ident()
         with self._submit_lock:
-            task = self._numbered(header, run, None, agreement_implied)
+            task = self._numbered(header, run, None, check)
             self._caller = caller
             if task.seq != self._next_to_run:
                 task.work = Work()
@@ -194,16 +194,14 @@ class Sequencer:
         finally:
             self._caller = None
 
-    def _numbered(
-        self, header: bytes, run: Callable[[Group], Any], work: Work | None, agreement_implied: bool
-    ) -> _Task:
+    def _numbered(self, header: bytes, run: Callable[[Group], Any], work: Work | None, check: HeaderCheck) -> _Task:
         """The next collective in the call order (lock held), unless no call may be made now."""
         if (refusal := self._refusal()) is not None:
             raise refusal
         caller = self._caller
         if caller is not None and caller != threading.get_ident():
             raise self._concurrent_use(caller, header)
-        task = _Task(next(self._sequence), header, run, work, agreement_implied)
+        task = _Task(next(self._sequence), header, run, work, check)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rank %d: #%d %s", self._transport.rank, task.seq, header.decode(errors="replace"))
         self._last_submitted = task.seq
@@ -307,7 +305,7 @@ class Sequencer:
         try:
             if self._broken is not None:  # queued before the failure: fail fast, do not talk
                 raise self._broken_refusal(self._broken)
-            group = self._group(task.seq, task.header).with_agreement(implied=task.agreement_implied)
+            group = self._group(task.seq, task.header).with_agreement(task.check)
             result = task.run(group)
             group.finish_agreement()
             if self._broken is not None:  # broken by another thread meanwhile: the result may be another's

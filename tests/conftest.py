@@ -20,6 +20,7 @@ import pytest
 
 import collectives
 from collectives import CollectiveError
+from collectives.backends.threads import ThreadTransport
 
 os.environ.setdefault("COLLECTIVES_AUTOTUNE", "off")
 """`init()` calibrates by default, a fraction of a second of collectives per job; the suite's many
@@ -29,8 +30,12 @@ tests of the calibration itself ask for it."""
 ALGORITHMS: tuple[str, ...] = tuple(collectives.allreduce_algorithms())
 """Named all-reduce algorithms."""
 
-ALL_ALGORITHMS: tuple[str, ...] = ("auto", *ALGORITHMS)
-"""Everything `allreduce(algorithm=...)` accepts."""
+ALL_ALGORITHMS: tuple[str, ...] = ("auto", *ALGORITHMS, collectives.NATIVE)
+"""Everything `allreduce(algorithm=...)` accepts on the threads backend ("native" for
+`NATIVE_DTYPES` only)."""
+
+NATIVE_DTYPES: tuple[np.dtype, ...] = ThreadTransport.native_dtypes
+"""What the threads backend's native all-reduce reduces."""
 
 HIERARCHICAL_ALGORITHMS: tuple[str, ...] = ("auto", "hierarchical", "hierarchical_tree")
 """Algorithms whose behaviour depends on the node layout."""

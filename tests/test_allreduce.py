@@ -10,6 +10,7 @@ from conftest import (
     ALL_ALGORITHMS,
     DTYPES,
     LARGE_COUNT,
+    NATIVE_DTYPES,
     SEGMENT_BYTES,
     allreduce_cases,
     assert_identical,
@@ -30,16 +31,17 @@ def sweep_counts(world_size: int) -> list[int]:
     return sorted({0, 1, world_size - 1, world_size + 1, LARGE_COUNT})
 
 
-def sweep_keys(world_size: int) -> list[tuple[int, np.dtype, str]]:
-    """Every (count, dtype, op) of the sweep, in the order every rank runs them."""
-    return [(count, dtype, op) for count in sweep_counts(world_size) for dtype in DTYPES for op in valid_ops(dtype)]
+def sweep_keys(world_size: int, algorithm: str) -> list[tuple[int, np.dtype, str]]:
+    """Every (count, dtype, op) of the sweep that `algorithm` takes, in the order every rank runs them."""
+    dtypes = NATIVE_DTYPES if algorithm == collectives.NATIVE else DTYPES
+    return [(count, dtype, op) for count in sweep_counts(world_size) for dtype in dtypes for op in valid_ops(dtype)]
 
 
 @pytest.mark.parametrize(("algorithm", "world_size", "ranks_per_node"), allreduce_cases())
 def test_allreduce_sweep(algorithm: str, world_size: int, ranks_per_node: Any) -> None:
     """Every (count, dtype, op) reduces correctly and bit-identically on every rank, leaves the input
     unmodified, and returns the input's shape and dtype."""
-    keys = sweep_keys(world_size)
+    keys = sweep_keys(world_size, algorithm)
 
     def body(comm: collectives.Communicator) -> dict:
         results = {}
@@ -303,8 +305,15 @@ def test_long_host_names_stay_distinct() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("algorithm", ALL_ALGORITHMS)
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize(
+    ("algorithm", "dtype"),
+    [
+        pytest.param(algorithm, dtype, id=f"{np.dtype(dtype).name}-{algorithm}")
+        for algorithm in ALL_ALGORITHMS
+        for dtype in (np.float16, np.float32, np.float64)
+        if algorithm != collectives.NATIVE or np.dtype(dtype) in NATIVE_DTYPES
+    ],
+)
 @pytest.mark.parametrize("op", ["sum", "max", "min", "prod", "mean"])
 def test_allreduce_special_values(algorithm: str, dtype: Any, op: str) -> None:
     """NaN and +-inf propagate as in numpy (NaN where the float64 reference is NaN, inf where it is

@@ -21,8 +21,8 @@ from collectives.algorithms import registry
 from collectives.arguments import output_buffers
 from collectives.backends import device
 from collectives.backends.base import check_buffer, check_host_buffer
-from collectives.backends.errors import BackendUnavailableError
-from collectives.backends.threads import ThreadTransport
+from collectives.backends.errors import BackendUnavailableError, MismatchError
+from collectives.backends.threads import NATIVE_SHARES_BYTES, ThreadTransport
 from collectives.core import arrays
 from collectives.core.ops import ReduceOp, combine, finalize
 
@@ -238,6 +238,28 @@ def test_every_collective_on_device_matches_the_host(size: int, count: int) -> N
         staged = [kind for _, kind, _, _ in copies if kind != "device->device"]
         assert sorted(staged) == ["device->host"] * size + ["host->device"] * size, staged
         assert all(events for *_, events in copies), copies[:5]
+
+
+@pytest.mark.parametrize("count", [5, NATIVE_SHARES_BYTES // 8 + 1])
+def test_native_allreduce_on_threads_needs_the_same_side_on_every_rank(count: int) -> None:
+    """A small host buffer's native all-reduce runs inside the header agreement, a device
+    buffer's after it: so the header says which one a rank passed, and a rank passing a device
+    buffer where the others pass host buffers fails the agreement on every rank, naming both,
+    at every size (the rule does not change with the size)."""
+
+    def body(comm: Communicator) -> BaseException | None:
+        x = np.ones(count)
+        try:
+            comm.allreduce(on_device(x) if comm.rank == 0 else x, algorithm="native")
+        except MismatchError as error:
+            return error
+        return None
+
+    with installed():
+        errors = collectives.run_threads(body, 3, timeout=10)
+    for rank, error in enumerate(errors):
+        assert isinstance(error, MismatchError), f"rank {rank}: {error!r}"
+        assert "buffer=device" in str(error) and "buffer=host" in str(error), str(error)
 
 
 def test_device_out_and_in_place() -> None:

@@ -120,7 +120,7 @@ def test_reduce_scatter_and_allgather_mismatch() -> None:
 ALGORITHM_PAIRS = [
     pytest.param(first, second, world_size, id=f"{first}-vs-{second}-p{world_size}")
     for world_size in (4,)
-    for first, second in itertools.combinations(ALGORITHMS, 2)
+    for first, second in itertools.combinations((*ALGORITHMS, collectives.NATIVE), 2)
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -317,16 +318,13 @@ NATIVE_MODES = [pytest.param(1 << 40, id="reduced-alone"), pytest.param(0, id="i
 all) or at it (every rank reduces a share)."""
 
 
-def _native_allreduce(
-    world: ThreadFabric, sources: list[np.ndarray], destinations: list[np.ndarray], op: str = "sum"
-) -> list[BaseException | None]:
-    """Every rank's native all-reduce of its source into its destination, each on a thread of its
-    own; what each raised."""
+def _on_every_rank(world: ThreadFabric, call: Callable[[ThreadTransport], None]) -> list[BaseException | None]:
+    """`call` with every rank's endpoint, each on a thread of its own; what each raised."""
     errors: list[BaseException | None] = [None] * world.size
 
     def rank_main(rank: int) -> None:
         try:
-            world.endpoint(rank).native_allreduce(sources[rank], destinations[rank], op, timeout=10, tag=3)
+            call(world.endpoint(rank))
         except Exception as error:
             errors[rank] = error
 
@@ -337,6 +335,17 @@ def _native_allreduce(
         thread.join(30)
     assert not any(thread.is_alive() for thread in threads)
     return errors
+
+
+def _native_allreduce(
+    world: ThreadFabric, sources: list[np.ndarray], destinations: list[np.ndarray], op: str = "sum"
+) -> list[BaseException | None]:
+    """Every rank's native all-reduce of its source into its destination; what each raised."""
+
+    def call(endpoint: ThreadTransport) -> None:
+        endpoint.native_allreduce(sources[endpoint.rank], destinations[endpoint.rank], op, timeout=10, tag=3)
+
+    return _on_every_rank(world, call)
 
 
 @pytest.mark.parametrize("shares_bytes", NATIVE_MODES)
@@ -415,3 +424,59 @@ def test_native_allreduce_times_out_while_a_rank_is_missing_and_says_who() -> No
     with pytest.raises(TimeoutError):
         world.endpoint(0).native_allreduce(np.ones(3), np.ones(3), "sum", timeout=0.05, tag=9)
     assert world.arrived("native all-reduce", 9) == {0}
+
+
+def _agree_with_allreduce(
+    world: ThreadFabric, digests: list[np.ndarray], sources: list[np.ndarray | None]
+) -> tuple[list[np.ndarray], list[np.ndarray], list[BaseException | None]]:
+    """Every rank's header agreement, carrying the all-reduce of its source where it has one (into
+    a destination of zeros); each rank's agreement result, destination and error."""
+    results = [np.zeros(2, np.int64) for _ in range(world.size)]
+    destinations = [np.zeros(3) for _ in range(world.size)]
+
+    def call(endpoint: ThreadTransport) -> None:
+        rank, source = endpoint.rank, sources[endpoint.rank]
+        if source is None:
+            request = endpoint.start_agreement(digests[rank], results[rank], tag=4)
+        else:
+            request = endpoint.start_agreement_with_allreduce(
+                digests[rank], results[rank], 4, source, destinations[rank], "sum"
+            )
+        request.wait(10)
+
+    return results, destinations, _on_every_rank(world, call)
+
+
+def test_an_agreement_that_agrees_carries_the_native_allreduce() -> None:
+    """One meeting: every rank learns that all agree and holds the sum, in place too."""
+    world = fabric(3)
+    assert world.endpoint(0).agrees_in_native_allreduce(np.ones(3))
+    assert not world.endpoint(0).agrees_in_native_allreduce(np.ones(threads_backend.NATIVE_SHARES_BYTES // 8))
+    digest = np.array([7, -7], np.int64)
+    results, destinations, errors = _agree_with_allreduce(world, [digest] * 3, [np.full(3, r + 1.0) for r in range(3)])
+    assert errors == [None] * 3
+    for result, destination in zip(results, destinations, strict=True):
+        np.testing.assert_array_equal(result, digest)
+        np.testing.assert_array_equal(destination, np.full(3, 6.0))
+
+
+def test_an_agreement_that_disagrees_reduces_nothing() -> None:
+    """Every rank learns of the disagreement (the digests' MAX differs from its own) and no
+    destination is written."""
+    digests = [np.array([7, -7], np.int64), np.array([9, -9], np.int64)]
+    results, destinations, errors = _agree_with_allreduce(fabric(2), digests, [np.ones(3), np.ones(3)])
+    assert errors == [None, None]
+    for result, destination in zip(results, destinations, strict=True):
+        np.testing.assert_array_equal(result, [9, -7])
+        np.testing.assert_array_equal(destination, np.zeros(3))
+
+
+def test_alike_ranks_that_differ_on_where_they_reduce_fail_everywhere() -> None:
+    """Ranks whose headers agree but of which only some bring their buffers to the agreement would
+    leave those without a result: every rank fails instead."""
+    digest = np.array([7, -7], np.int64)
+    _, destinations, errors = _agree_with_allreduce(fabric(3), [digest] * 3, [np.ones(3), None, np.ones(3)])
+    for rank, error in enumerate(errors):
+        assert isinstance(error, MismatchError), f"rank {rank}: {error!r}"
+        assert "ranks [0, 2] all-reduce in the header agreement" in str(error)
+    assert all(not destination.any() for destination in destinations)

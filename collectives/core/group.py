@@ -9,6 +9,7 @@ group's range, and never see global ranks or clocks.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -32,6 +33,17 @@ _NO_DATA = np.empty(0, dtype=np.uint8)
 
 _NO_PEER = -1
 """The peer of a `Pending` that involves every rank (an engine collective), not one."""
+
+
+class HeaderCheck(enum.Enum):
+    """How a collective shows that every rank called it with the same header (`Group.with_agreement`)."""
+
+    AGREEMENT = "agreement"
+    """A header agreement of its own beside the collective's messages."""
+    IMPLIED = "implied"
+    """The collective's own messages prove it."""
+    IN_ENGINE_CALL = "in engine call"
+    """Its one engine call carries the agreement (`Group.agreeing_in_allreduce`)."""
 
 
 class Pending:
@@ -120,13 +132,15 @@ class Group:
         members = tuple(self.members[i] for i in indices)
         return self._derive(members, tags, self.agreement)
 
-    def with_agreement(self, *, implied: bool = False) -> Group:
+    def with_agreement(self, check: HeaderCheck = HeaderCheck.AGREEMENT) -> Group:
         """This group (the whole world), with its header agreement under way on the first of its
         tags, and the rest of its tags left to the collective's algorithm: an `EngineAgreement`
-        where the transport `agrees_natively`, else a `HeaderAgreement`.
+        where the transport `agrees_natively`, else a `HeaderAgreement`. With
+        `HeaderCheck.IN_ENGINE_CALL`, this group as it is: the collective starts the agreement
+        itself (`agreeing_in_allreduce`).
 
-        `implied`: the collective's own messages prove the agreement, because every member
-        receives a message carrying the header from every other member before it returns (the
+        `HeaderCheck.IMPLIED`: the collective's own messages prove the agreement, because every
+        member receives a message carrying the header from every other member before it returns (the
         direct all-reduce of a non-empty buffer; a ring all-gather of one between 2 ranks), or
         its messages run the agreement's own gated rounds (the dissemination barrier). The
         point-to-point `HeaderAgreement` is then left out, which halves the messages of a small
@@ -135,11 +149,11 @@ class Group:
         that every rank must call, in the same order; when it completes within its first polls
         (every rank called at about the same time, the usual case), the group carries `AGREED`.
         """
-        if self.size == 1:
+        if self.size == 1 or check is HeaderCheck.IN_ENGINE_CALL:
             return self
         tags = self.tags
         algorithm_tags = TagRange(tags.owner, tags.start + 1, tags.stop)
-        if implied and not self.transport.agrees_natively:
+        if check is HeaderCheck.IMPLIED and not self.transport.agrees_natively:
             return self._derive(self.members, algorithm_tags, None)
         plain = self if self.agreement is None else self.without_agreement()
         agreement: Agreement
@@ -148,6 +162,16 @@ class Group:
         else:
             agreement = HeaderAgreement(plain, tags.start)
         return self._derive(self.members, algorithm_tags, agreement)
+
+    def agreeing_in_allreduce(self, src: np.ndarray, dst: np.ndarray, op: str) -> Group:
+        """This group (the whole world, planned `HeaderCheck.IN_ENGINE_CALL`), with its header
+        agreement under way in an engine call that also all-reduces `src` into `dst` where every
+        rank agrees (`Transport.start_agreement_with_allreduce`): `finish_agreement` then waits
+        for both, and fails as any engine agreement's does."""
+        tags = self.tags
+        plain = self if self.agreement is None else self.without_agreement()
+        agreement = start_engine_agreement(plain, tags.start, (src, dst, op))
+        return self._derive(self.members, TagRange(tags.owner, tags.start + 1, tags.stop), agreement)
 
     def without_agreement(self) -> Group:
         """This group, waiting plainly (used by the agreement itself)."""
@@ -564,10 +588,13 @@ _QUICK_POLLS = 8
 """Polls of a just-posted engine agreement before an `EngineAgreement` is made to track it."""
 
 
-def start_engine_agreement(group: Group, tag: int) -> Agreement:
-    """An engine agreement among `group` for the collective at `tag`: `AGREED` when it completes,
-    agreeing, within `_QUICK_POLLS` polls, else an `EngineAgreement` tracking it (which also
-    reports a failure or a disagreement).
+def start_engine_agreement(
+    group: Group, tag: int, allreduce: tuple[np.ndarray, np.ndarray, str] | None = None
+) -> Agreement:
+    """An engine agreement among `group` for the collective at `tag` (carrying the all-reduce of
+    `allreduce`'s (src, dst, op), where given): `AGREED` when it completes, agreeing, within
+    `_QUICK_POLLS` polls, else an `EngineAgreement` tracking it (which also reports a failure or
+    a disagreement).
 
     Every rank of a small world that called at about the same time gets its result within those
     polls; the tracking object, its `Pending` and its waits are then never needed, and leaving them
@@ -575,7 +602,10 @@ def start_engine_agreement(group: Group, tag: int) -> Agreement:
     """
     mine = header_digests(group.header)
     result = np.empty(2, dtype=np.int64)
-    request = group.transport.start_agreement(mine, result, tag)
+    if allreduce is None:
+        request = group.transport.start_agreement(mine, result, tag)
+    else:
+        request = group.transport.start_agreement_with_allreduce(mine, result, tag, *allreduce)
     for _ in range(_QUICK_POLLS):
         if request.test():
             request.wait(0)  # raises the request's error
