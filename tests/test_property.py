@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from conftest import ALL_ALGORITHMS, DTYPES, assert_identical, assert_reduced, layouts, make_input, valid_ops
+from conftest import (
+    ALL_ALGORITHMS,
+    DTYPES,
+    NATIVE_DTYPES,
+    assert_identical,
+    assert_reduced,
+    layouts,
+    make_input,
+    valid_ops,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +35,9 @@ def allreduce_cases(draw: st.DrawFn) -> dict[str, Any]:
         "shape": draw(shapes),
         "dtype": dtype,
         "op": draw(st.sampled_from(valid_ops(dtype))),
-        "algorithm": draw(st.sampled_from(ALL_ALGORITHMS)),
+        "algorithm": draw(
+            st.sampled_from([a for a in ALL_ALGORITHMS if a != collectives.NATIVE or dtype in NATIVE_DTYPES])
+        ),
         "segment_bytes": draw(st.sampled_from([1, 8, 64, 4096])),
         "seed": draw(st.integers(0, 2**32 - 1)),
     }
