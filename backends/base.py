@@ -369,6 +369,15 @@ def check_buffer(buf: Buffer) -> None:
     _check_shape(buf)
 
 
+def check_allreduce_pair(src: Buffer, dst: Buffer) -> None:
+    """Raise ValueError unless a native all-reduce's `src` and `dst` have one dtype and size."""
+    if src.dtype != dst.dtype or src.size != dst.size:
+        raise ValueError(
+            f"native_allreduce needs src and dst of one dtype and size, "
+            f"got {src.dtype}[{src.size}] and {dst.dtype}[{dst.size}]"
+        )
+
+
 def check_host_buffer(buf: Buffer, backend: str) -> None:
     """`check_buffer` for a transport that moves host memory only: a device array is refused
     (handed its pointer, the engine would read device memory as host memory)."""

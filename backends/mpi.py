@@ -128,7 +128,15 @@ from typing import Any
 
 import numpy as np
 
-from .base import HEADER_LENGTH_BYTES, Transport, check_host_buffer, emulated_host, header_record, headers_of_records
+from .base import (
+    HEADER_LENGTH_BYTES,
+    Transport,
+    check_allreduce_pair,
+    check_host_buffer,
+    emulated_host,
+    header_record,
+    headers_of_records,
+)
 from .errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -914,11 +922,7 @@ class MPITransport(Transport):
     def _start_allreduce(self, src: np.ndarray, dst: np.ndarray, op: str) -> tuple[Any, tuple[np.ndarray, ...]]:
         """Post MPI_Iallreduce of `src` into `dst` (`src` may be `dst`); return MPI's request and the
         buffers MPI works on, which must stay alive until it completes."""
-        if src.dtype != dst.dtype or src.size != dst.size:
-            raise ValueError(
-                f"native_allreduce needs src and dst of one dtype and size, "
-                f"got {src.dtype}[{src.size}] and {dst.dtype}[{dst.size}]"
-            )
+        check_allreduce_pair(src, dst)
         check_host_buffer(src, "MPI")
         check_host_buffer(dst, "MPI")
         datatype = self._datatypes.get(src.dtype)

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from .base import Buffer, Consume, LockRequest, Transport, check_buffer, wait_first
+from .base import Buffer, Consume, LockRequest, Transport, check_allreduce_pair, check_buffer, wait_first
 from .device import Event, copy_after_queued, is_device, runtime
 from .errors import (
     CollectiveError,
@@ -258,7 +258,9 @@ def _deliver(send: LockRequest, recv: LockRequest) -> None:
 
 
 def _reduce_in_rank_order(reduce: np.ufunc, sources: list[np.ndarray]) -> np.ndarray:
-    """`reduce` over `sources`, the first first, into a new array."""
+    """`reduce` over every rank's source, rank 0's first, into a new array, once they are checked
+    alike (`_check_alike`)."""
+    _check_alike(sources)
     if len(sources) == 1:
         return sources[0].copy()
     result = reduce(sources[0], sources[1])
@@ -278,9 +280,7 @@ def _check_alike(sources: list[np.ndarray]) -> None:
 
 def _reduce_alone(reduce: np.ufunc, buffers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """The native all-reduce's combine below `NATIVE_SHARES_BYTES`: every source reduced here."""
-    sources = [source for source, _ in buffers]
-    _check_alike(sources)
-    return _reduce_in_rank_order(reduce, sources)
+    return _reduce_in_rank_order(reduce, [source for source, _ in buffers])
 
 
 def _plan_shares(buffers: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -327,9 +327,7 @@ def _agree(joined: list[np.ndarray | _Joining]) -> np.ndarray | tuple[np.ndarray
     if len(carrying) < len(joined):  # alike calls that disagree on where the reduction runs
         ranks = [rank for rank, joining in enumerate(joined) if isinstance(joining, _Joining)]
         raise MismatchError(f"ranks {ranks} all-reduce in the header agreement, the others after it")
-    sources = [joining.src for joining in carrying]
-    _check_alike(sources)
-    return digests, _reduce_in_rank_order(carrying[0].reduce, sources)
+    return digests, _reduce_in_rank_order(carrying[0].reduce, [joining.src for joining in carrying])
 
 
 def _take_agreement(result: np.ndarray, dst: np.ndarray, agreed: np.ndarray | tuple[np.ndarray, np.ndarray]) -> None:
@@ -445,11 +443,7 @@ class ThreadTransport(Transport):
             raise ValueError(f"unknown op {op!r} for native all-reduce; expected one of {sorted(_UFUNCS)}")
         check_buffer(src)
         check_buffer(dst)
-        if src.dtype != dst.dtype or src.size != dst.size:
-            raise ValueError(
-                f"native_allreduce needs src and dst of one dtype and size, "
-                f"got {src.dtype}[{src.size}] and {dst.dtype}[{dst.size}]"
-            )
+        check_allreduce_pair(src, dst)
         if src.dtype not in self.native_dtypes:
             known = ", ".join(str(d) for d in self.native_dtypes)
             raise TypeError(f"native all-reduce cannot reduce {src.dtype} on threads; it supports {known}")
