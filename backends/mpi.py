@@ -479,6 +479,22 @@ class _Failed:
         return True
 
 
+class _Completed:
+    """An engine collective that completed within its first polls: nothing to track or wait for.
+    One shared instance (`_COMPLETED`), so that the usual small engine call costs no allocation."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: float | None) -> None:
+        pass
+
+    def test(self) -> bool:
+        return True
+
+
+_COMPLETED = _Completed()
+
+
 class _Native:
     """A pending engine collective (MPI_Iallreduce, MPI_Iallgather), polled like any other
     request; `tag` is the first tag of the collective it belongs to, so that an abort of a later
@@ -492,7 +508,7 @@ class _Native:
         request: Any,
         refs: tuple[np.ndarray, ...],
         tag: int,
-        kind: str = "native all-reduce",
+        kind: str,
     ) -> None:
         self._t = transport
         self._request = request
@@ -869,15 +885,14 @@ class MPITransport(Transport):
 
     agrees_natively = True
 
-    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> _Native:
+    def start_agreement(self, digest: np.ndarray, result: np.ndarray, tag: int) -> _Completed | _Native:
         """MPI_Iallreduce (MAX) of the int64 `digest` into `result`: the buffers come from the
         agreement itself, so none of `native_allreduce`'s checks of a caller's buffers apply."""
         if (refusal := self._refusal()) is not None:
             raise refusal
         MPI = _MPI
-        return self._engine_call(
-            self._comm.Iallreduce([digest, MPI.INT64_T], [result, MPI.INT64_T], MPI.MAX), (digest, result), tag
-        )
+        posted = self._comm.Iallreduce([digest, MPI.INT64_T], [result, MPI.INT64_T], MPI.MAX)
+        return self._posted(posted, (digest, result), tag, "header agreement")
 
     def gather_headers(self, header: bytes, tag: int, timeout: float) -> list[bytes]:
         """Every rank's header, by MPI_Iallgather of fixed-size records, polled like a message.
@@ -953,29 +968,30 @@ class MPITransport(Transport):
         return PeerLostError(f"rank {self.rank}: MPI failed the {kind}; a peer may have died: {error}")
 
     def _complete(self, posted: Any, refs: tuple[np.ndarray, ...], tag: int, kind: str, timeout: float | None) -> None:
-        """Wait for one of MPI's own collectives, just posted, as for a message: `_engine_call`,
-        then `wait`. A small one completes within the first polls, which run on MPI's bare request;
-        the request is tracked (failed by an abort, drained by `close`) only if it is still running
-        after them.
+        """Wait for one of MPI's own collectives, just posted, as for a message (`_posted`).
 
         Raises:
             TimeoutError: `timeout` seconds passed first.
             CollectiveError: MPI failed it, or an abort came first.
         """
+        self._posted(posted, refs, tag, kind).wait(timeout)
+
+    def _posted(self, posted: Any, refs: tuple[np.ndarray, ...], tag: int, kind: str) -> _Completed | _Native:
+        """One of MPI's own collectives (`kind`), just posted (`posted`: its MPI request), as a
+        request. A small one completes within the first polls, which run on MPI's bare request
+        (`_COMPLETED`); one still running after them is tracked like a message: polled with
+        deadlines, failed by an abort, drained by `close`, its buffers `refs` kept alive while MPI
+        works on them.
+
+        Raises:
+            PeerLostError: MPI failed it within those polls.
+        """
         try:
             for _ in range(_SPIN_POLLS):
                 if posted.Test():
-                    return
+                    return _COMPLETED
         except _MPI.Exception as error:
             raise self._engine_failure(kind, error) from None
-        self._engine_call(posted, refs, tag, kind).wait(timeout)
-
-    def _engine_call(
-        self, posted: Any, refs: tuple[np.ndarray, ...], tag: int, kind: str = "native all-reduce"
-    ) -> _Native:
-        """One of MPI's own collectives, just posted (`posted`: its MPI request), tracked like a
-        message: polled with deadlines, failed by an abort, drained by `close`. `refs`: its
-        buffers, kept alive while MPI works on them."""
         request = _Native(self, posted, refs, tag, kind)
         self._live.add(request)
         return request

@@ -290,10 +290,7 @@ class Communicator:
     ) -> np.ndarray:
         """The engine's all-reduce or reduce-scatter (`native`, the transport's method) of `flat`
         into `target`; a mean is the engine's sum, divided here."""
-        native_op = "sum" if op is ReduceOp.MEAN else op.value
-        self._run_native(
-            group, what, lambda remaining: native(flat, target, native_op, timeout=remaining, tag=group.tags.start)
-        )
+        self._run_native(group, what, native, flat, target, "sum" if op is ReduceOp.MEAN else op.value)
         finalize(op, target, self.size)
         return copy_back(result, target)
 
@@ -309,13 +306,14 @@ class Communicator:
         finalize(op, target, self.size)
         return copy_back(result, target)
 
-    def _run_native(self, group: Group, what: str, call: Callable[[float], None]) -> None:
-        """Run one of the backend's own collectives (`call(seconds_left)`) within the collective's
-        deadline, once every rank is known to have called it alike: an engine given buffers of
-        different sizes on different ranks may fail in any way, or write past them."""
+    def _run_native(self, group: Group, what: str, native: Callable[..., None], *args: Any) -> None:
+        """Run one of the backend's own collectives, `native(*args, timeout=, tag=)` (a transport
+        method), within the collective's deadline, once every rank is known to have called it
+        alike: an engine given buffers of different sizes on different ranks may fail in any way,
+        or write past them."""
         group.finish_agreement()
         try:
-            call(max(group.deadline - time.monotonic(), 0.0))
+            native(*args, timeout=max(group.deadline - time.monotonic(), 0.0), tag=group.tags.start)
         except TimeoutError:
             raise CollectiveTimeoutError(
                 f"rank {self.rank}: native {what} did not complete within {self.timeout:g} s "
@@ -410,13 +408,7 @@ class Communicator:
         if self._runs_natively("allgather", src):
 
             def run_native(group: Group) -> np.ndarray:
-                self._run_native(
-                    group,
-                    "all-gather",
-                    lambda remaining: self._transport.native_allgather(
-                        flat, target, timeout=remaining, tag=group.tags.start
-                    ),
-                )
+                self._run_native(group, "all-gather", self._transport.native_allgather, flat, target)
                 return copy_back(result, target)
 
             return self._planned(collective_header("allgather", src, algorithm=NATIVE), run_native, src)
@@ -456,13 +448,7 @@ class Communicator:
             if group.rank == root and not may_share_memory(target, flat):
                 target[...] = flat
             if native:
-                self._run_native(
-                    group,
-                    "broadcast",
-                    lambda remaining: self._transport.native_broadcast(
-                        target, root, timeout=remaining, tag=group.tags.start
-                    ),
-                )
+                self._run_native(group, "broadcast", self._transport.native_broadcast, target, root)
             else:
                 drive(group, tree_broadcast_steps(group, target, root, segment_bytes=self._segment_bytes(src)))
             return copy_back(result, target)

@@ -115,6 +115,8 @@ class Sequencer:
 
     def __init__(self, transport: Transport, timeout: float) -> None:
         self._transport = transport
+        self._world = tuple(range(transport.size))
+        """Every rank: the members of each collective's group."""
         self.timeout = timeout
         self._broken: BaseException | None = None
         self._closed = False
@@ -275,7 +277,7 @@ class Sequencer:
         transport, timeout = self._transport, self.timeout
         tags = collective_tags(seq % _TAG_WRAP, header.decode(errors="replace"))
         deadline = time.monotonic() + timeout
-        return Group(transport, tuple(range(transport.size)), tags, header, deadline, timeout)
+        return Group(transport, self._world, tags, header, deadline, timeout, rank=transport.rank)
 
     def _serve(self) -> None:
         """The communication thread: run queued collectives one at a time, in call order."""

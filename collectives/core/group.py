@@ -96,12 +96,13 @@ class Group:
         deadline: float,
         timeout: float,
         agreement: Agreement | None = None,
+        rank: int | None = None,
     ) -> None:
         self.transport = transport
         self.members = members
         """Global ranks, in group order."""
-        self.rank = members.index(transport.rank)
-        """This process's index in the group."""
+        self.rank = members.index(transport.rank) if rank is None else rank
+        """This process's index in the group (`rank`, where the maker knows it)."""
         self.tags = tags
         """The tags this group may talk on; a step machine lays them out with `tags.allocator()`."""
         self._tag_start = tags.start
@@ -119,7 +120,8 @@ class Group:
         return len(self.members)
 
     def _derive(self, members: tuple[int, ...], tags: TagRange, agreement: Agreement | None) -> Group:
-        return Group(self.transport, members, tags, self.header, self.deadline, self.timeout, agreement)
+        rank = self.rank if members is self.members else None
+        return Group(self.transport, members, tags, self.header, self.deadline, self.timeout, agreement, rank)
 
     def subgroup(self, indices: Sequence[int], tags: TagRange) -> Group:
         """The sub-group of the given member indices, talking on `tags`, a part of this group's
@@ -618,7 +620,7 @@ def start_engine_agreement(
 def digests_agree(mine: np.ndarray, result: np.ndarray) -> bool:
     """Whether an agreement's MAX all-reduce `result`, (max h, -min h), equals this rank's
     contribution `mine`, (h, -h): exactly when every rank contributed the same digest."""
-    return bool(result[0] == mine[0] and result[1] == mine[1])
+    return result.tobytes() == mine.tobytes()  # two int64 each: bytes compare faster than numpy scalars
 
 
 _digest_cache: dict[bytes, np.ndarray] = {}
