@@ -6,7 +6,8 @@ Starts the ranks of a job on this machine, like `horovodrun` or `torchrun`:
   address (free ports) and a fresh shared secret through the environment, so `collectives.init()`
   finds them. The launcher holds each port until its rank listens on it, so that no other user
   can take it in between (`reserve_loopback_ports`);
-* MPI: hands the job to the `mpiexec` installed with the `mpi` extra;
+* MPI: hands the job to the `mpiexec` installed with the `mpi` extra, each rank run through
+  `collectives.launch_rank` so that it writes whole lines, which mpiexec labels with the rank;
 * NCCL: as gRPC (which carries host buffers and NCCL's bootstrap), the ranks told to use NCCL for
   device buffers, each on the GPU of its local rank (LOCAL_RANK, set for every backend but MPI's).
 
@@ -393,10 +394,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_BACKEND: "mpi"})
+        env = dict(os.environ, **{ENV_BACKEND: "mpi"})
         if args.ranks_per_node is not None:
             env[ENV_RANKS_PER_NODE] = str(args.ranks_per_node)
-        return run_ranks([("", [mpiexec, "-prepend-rank", "-n", str(args.nprocs), *command], env)])
+        # mpiexec labels output as each write comes: every rank writes whole lines (launch_rank)
+        rank_command = [sys.executable, "-m", "collectives.launch_rank", *command[1:]]
+        return run_ranks([("", [mpiexec, "-prepend-rank", "-n", str(args.nprocs), *rank_command], env)])
     reservations = reserve_loopback_ports(args.nprocs)
     addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in reservations]
     environments = grpc_rank_environments(addresses, ranks_per_node=args.ranks_per_node, backend=args.backend)

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import run_bounded
+from test_mpi import needs_mpi
 
 LAUNCH_TIMEOUT = 60
 
@@ -62,6 +64,68 @@ def test_ranks_get_their_environment_and_prefixed_output(tmp_path: Path) -> None
         assert len(set(listed)) == 3
         addresses = addresses or listed
         assert listed == addresses  # every rank gets the same cluster description
+
+
+def launch_mpi(tmp_path: Path, body: str, *arguments: str) -> subprocess.CompletedProcess:
+    """Run `body` as module `job` in `tmp_path` on the launcher's MPI ranks, bounded in time (the
+    launcher, mpiexec and the ranks all stopped if it overruns). `arguments`: the launcher's,
+    ending with how to name the job (its path, or `-m job`) and the job's own."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(body))
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "collectives.launch", "--backend", "mpi", *arguments]
+    return run_bounded(command, timeout=LAUNCH_TIMEOUT, env={"PYTHONPATH": path})
+
+
+PIECES = """
+    import os, sys
+    print("rank", os.environ["PMI_RANK"], "argv", sys.argv[1:], "name", __name__, "first", sys.path[0])
+    for line in range(200):
+        print("line", line, "of", "many", "pieces", end=" ")
+        print("and", "its", "end")
+    print("to", "stderr", "in", "pieces", file=sys.stderr)
+"""
+
+
+@needs_mpi
+@pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
+def test_mpi_ranks_print_whole_lines_each_prefixed_once(tmp_path: Path, as_module: bool) -> None:
+    """mpiexec labels what each write brings: every line a rank prints in pieces (several
+    arguments, `end=`) reaches the output whole and labelled once, on stdout and stderr, and the
+    job runs as `python [-m] job args` would run it."""
+    job = ["-m", "job"] if as_module else [str(tmp_path / "job.py")]
+    result = launch_mpi(tmp_path, PIECES, "-n", "2", *job, "--flag", "value")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    first = os.getcwd() if as_module else str(tmp_path)  # -m: the current directory, as `python -m` has it
+    for rank in (0, 1):
+        assert f"[{rank}] rank {rank} argv ['--flag', 'value'] name __main__ first {first}" in lines, lines[:4]
+        mine = [line for line in lines if line.startswith(f"[{rank}] line ")]
+        assert mine == [f"[{rank}] line {n} of many pieces and its end" for n in range(200)]
+        assert f"[{rank}] to stderr in pieces" in result.stderr.splitlines()
+    assert len(lines) == 2 * 201
+
+
+@needs_mpi
+def test_mpi_rank_traceback_is_the_jobs_own(tmp_path: Path) -> None:
+    """A rank that raises shows the traceback `python job.py` would, without the frames of the
+    runner that line-buffers its output, and the launcher exits with its code."""
+    body = """
+        def fail():
+            raise ValueError("the job's own error")
+
+        fail()
+    """
+    result = launch_mpi(tmp_path, body, "-n", "2", str(tmp_path / "job.py"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    traceback = [line for line in result.stderr.splitlines() if line.startswith("[0] ")][:6]
+    assert traceback == [
+        "[0] Traceback (most recent call last):",
+        f'[0]   File "{tmp_path / "job.py"}", line 5, in <module>',
+        "[0]     fail()",
+        f'[0]   File "{tmp_path / "job.py"}", line 3, in fail',
+        '[0]     raise ValueError("the job\'s own error")',
+        "[0] ValueError: the job's own error",
+    ]
 
 
 def test_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path: Path) -> None:
