@@ -381,6 +381,8 @@ def check_allreduce_pair(src: Buffer, dst: Buffer) -> None:
 def check_host_buffer(buf: Buffer, backend: str) -> None:
     """`check_buffer` for a transport that moves host memory only: a device array is refused
     (handed its pointer, the engine would read device memory as host memory)."""
+    if type(buf) is np.ndarray and buf.ndim == 1 and buf.flags.c_contiguous:
+        return  # the usual buffer, answered without the lookups below (two per native call)
     if is_device(buf):
         raise TypeError(
             f"the {backend} transport moves host memory and got a device array ({type(buf).__name__}); "

@@ -151,7 +151,7 @@ class Group:
         that every rank must call, in the same order; when it completes within its first polls
         (every rank called at about the same time, the usual case), the group carries `AGREED`.
         """
-        if self.size == 1 or check is HeaderCheck.IN_ENGINE_CALL:
+        if len(self.members) == 1 or check is HeaderCheck.IN_ENGINE_CALL:
             return self
         tags = self.tags
         algorithm_tags = TagRange(tags.owner, tags.start + 1, tags.stop)
