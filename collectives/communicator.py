@@ -400,9 +400,7 @@ class Communicator:
         rows = src.shape[0] if src.ndim else 1
         shape = (self.size * rows, *src.shape[1:])
         result, target = output_buffers(out, shape, src.dtype, src)
-        bounds = [rank * src.size for rank in range(self.size + 1)]
         flat = flat_view(src)
-        own = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
             return _Local(copy_back(result, target, flat), src)
         if self._runs_natively("allgather", src):
@@ -413,8 +411,10 @@ class Communicator:
 
             return self._planned(collective_header("allgather", src, algorithm=NATIVE), run_native, src)
 
+        bounds = [rank * src.size for rank in range(self.size + 1)]
+
         def run(group: Group) -> np.ndarray:
-            target[own] = flat
+            target[bounds[self.rank] : bounds[self.rank + 1]] = flat
             drive(group, ring_allgather_steps(group, target, bounds, segment_bytes=self._segment_bytes(src)))
             return copy_back(result, target)
 
