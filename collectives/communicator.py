@@ -315,11 +315,12 @@ class Communicator:
         try:
             native(*args, timeout=max(group.deadline - time.monotonic(), 0.0), tag=group.tags.start)
         except TimeoutError:
+            said, blamed = group.who_is_missing(None)
             raise CollectiveTimeoutError(
                 f"rank {self.rank}: native {what} did not complete within {self.timeout:g} s "
-                f"({group.header.decode(errors='replace')}); {group.who_is_missing(None)}",
+                f"({group.header.decode(errors='replace')}); {said}",
                 rank=self.rank,
-                peer=group.missing_rank(),
+                peer=blamed,
                 tag=group.tags.start,
                 seconds=self.timeout,
             ) from None

@@ -223,8 +223,8 @@ def test_an_engine_agreement_complete_at_once_is_not_tracked() -> None:
     first.finish_agreement()
     last.finish_agreement()
     assert first.agreement.done
-    assert last.who_is_missing(None) == "every rank reached this collective, so a rank is stuck or dead"
-    assert last.who_is_missing(0) == "every rank reached this collective, so rank 0 is stuck or dead"
+    assert last.who_is_missing(None) == ("every rank reached this collective, so a rank is stuck or dead", -1)
+    assert last.who_is_missing(0) == ("every rank reached this collective, so rank 0 is stuck or dead", -1)
 
     first, last = group(0, 2, b"allreduce op=sum").with_agreement(), group(1, 2, b"barrier").with_agreement()
     assert isinstance(last.agreement, EngineAgreement) and last.agreement is not first.agreement

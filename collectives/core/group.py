@@ -283,30 +283,27 @@ class Group:
     def _raise_timeout(self, pending: Pending) -> NoReturn:
         me = self.transport.rank
         what = pending.kind if pending.peer == _NO_PEER else f"{pending.kind} rank {pending.peer}"
+        said, blamed = self.who_is_missing(pending.peer)
         raise CollectiveTimeoutError(
             f"rank {me}: {what} did not complete within "
-            f"{self.timeout:g} s (tag {pending.tag}, {self.header.decode(errors='replace')}); "
-            f"{self.who_is_missing(pending.peer)}",
+            f"{self.timeout:g} s (tag {pending.tag}, {self.header.decode(errors='replace')}); {said}",
             rank=me,
-            peer=pending.peer if pending.peer != _NO_PEER else self.missing_rank(),
+            peer=pending.peer if pending.peer != _NO_PEER else blamed,
             tag=pending.tag,
             seconds=self.timeout,
         ) from None
 
-    def missing_rank(self) -> int:
-        """The one member not known to have reached this collective (every other one is), or -1
-        where none or several are: the peer that a timeout of an engine collective, which waits on
-        no rank in particular, blames."""
-        missing = [] if self.agreement is None else self.agreement.missing()
-        return missing[0] if len(missing) == 1 else _NO_PEER
-
-    def who_is_missing(self, peer: int | None) -> str:
-        """For a timeout's message: which ranks did not reach this collective, as far as this rank
-        knows (from the header agreement), rather than only the neighbour `peer` it waited for."""
+    def who_is_missing(self, peer: int | None) -> tuple[str, int]:
+        """For a timeout: which ranks did not reach this collective, as far as this rank knows (from
+        the header agreement), rather than only the neighbour `peer` it waited for; and the one
+        member not known to have reached it, or -1 where none or several are (the peer that the
+        timeout of an engine collective, which waits on no rank in particular, blames). Both from
+        one look at the agreement, so that they never tell of different arrivals."""
         if self.agreement is None:
             who = "a rank" if peer is None or peer == _NO_PEER else f"rank {peer}"
-            return f"{who} never arrived at this collective, or is stuck or dead"
-        return self.agreement.who_is_missing(peer)
+            return f"{who} never arrived at this collective, or is stuck or dead", _NO_PEER
+        missing = self.agreement.missing()
+        return self.agreement.who_is_missing(peer, missing), missing[0] if len(missing) == 1 else _NO_PEER
 
     def waitall(self, pendings: Iterable[Pending]) -> None:
         """Wait for every operation, in order, until the collective's deadline."""
@@ -335,8 +332,9 @@ class Agreement(Protocol):
     def missing(self) -> list[int]:
         """The members not known to have reached this collective, as far as this rank knows."""
 
-    def who_is_missing(self, peer: int | None) -> str:
-        """For a timeout's message: which ranks did not reach this collective."""
+    def who_is_missing(self, peer: int | None, missing: list[int]) -> str:
+        """For a timeout's message: which ranks did not reach this collective, `missing()` having
+        just said which."""
 
 
 class HeaderAgreement:
@@ -415,16 +413,16 @@ class HeaderAgreement:
         it starts, never sent it."""
         return self.done or self._distance == 1
 
-    def who_is_missing(self, peer: int | None) -> str:
-        """Which ranks did not reach this collective, as far as this member knows: said in a
-        timeout's message instead of blaming the neighbour `peer` it happened to wait for.
+    def who_is_missing(self, peer: int | None, missing: list[int]) -> str:
+        """Which ranks did not reach this collective (`missing`, as `missing()` just said), as far
+        as this member knows: said in a timeout's message instead of blaming the neighbour `peer`
+        it happened to wait for.
 
         The first round's message is sent the moment a member starts the collective, so a
         predecessor whose first message never came has not started it; beyond that, members
         outside `reached()` are only not known to have.
         """
         group = self._group
-        missing = self.missing()
         arrived = self.reached()
         if not missing:
             who = "a rank" if peer is None else f"rank {peer}"
@@ -540,11 +538,11 @@ class EngineAgreement:
         waiting = transport.waiting_ranks(self._tag) | {transport.rank}
         return [member for member in self._group.members if member not in waiting]
 
-    def who_is_missing(self, peer: int | None) -> str:
-        """Which ranks did not announce that they wait in this collective, as far as this rank knows."""
-        missing = self.missing()
+    def who_is_missing(self, peer: int | None, missing: list[int]) -> str:
+        """Which ranks did not announce that they wait in this collective (`missing`, as `missing()`
+        just said), as far as this rank knows."""
         if self.done:
-            return AGREED.who_is_missing(peer)
+            return AGREED.who_is_missing(peer, missing)
         waiting = set(self._group.members).difference(missing)  # the whole world: the rest said they wait
         if not missing:
             return "every rank waits in this collective: a rank is stuck inside the engine, or dead"
@@ -579,7 +577,7 @@ class _Agreed:
     def missing(self) -> list[int]:
         return []
 
-    def who_is_missing(self, peer: int | None) -> str:
+    def who_is_missing(self, peer: int | None, missing: list[int]) -> str:
         who = "a rank" if peer is None or peer == _NO_PEER else f"rank {peer}"
         return f"every rank reached this collective, so {who} is stuck or dead"
 
