@@ -64,7 +64,7 @@ from collectives.backends.staged import with_host_staging
 from collectives.core.arrays import empty, is_device, may_share_memory
 from collectives.core.group import Group, HeaderCheck
 from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds
-from collectives.core.ops import ReduceOp, finalize
+from collectives.core.ops import ReduceOp, finalize, summing
 from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
 from collectives.selection.native import NATIVE, native_model
@@ -290,7 +290,7 @@ class Communicator:
     ) -> np.ndarray:
         """The engine's all-reduce or reduce-scatter (`native`, the transport's method) of `flat`
         into `target`; a mean is the engine's sum, divided here."""
-        self._run_native(group, what, native, flat, target, "sum" if op is ReduceOp.MEAN else op.value)
+        self._run_native(group, what, native, flat, target, summing(op).value)
         finalize(op, target, self.size)
         return copy_back(result, target)
 
@@ -301,8 +301,7 @@ class Communicator:
         call (`Transport.agrees_in_native_allreduce`): one call where `_native_reduction` makes
         two. The call reduces only where every rank agreed; where one did not, the agreement
         raises `MismatchError` as it does before any collective."""
-        native_op = "sum" if op is ReduceOp.MEAN else op.value
-        group.agreeing_in_allreduce(flat, target, native_op).finish_agreement()
+        group.agreeing_in_allreduce(flat, target, summing(op).value).finish_agreement()
         finalize(op, target, self.size)
         return copy_back(result, target)
 

@@ -72,7 +72,7 @@ from collectives.algorithms.ring import (
 from collectives.algorithms.tree import tree_allreduce_cost, tree_allreduce_steps
 from collectives.core.group import Group
 from collectives.core.layout import DEFAULT_SEGMENT_BYTES, even_bounds
-from collectives.core.ops import ReduceOp, finalize
+from collectives.core.ops import ReduceOp, finalize, summing
 from collectives.core.schedule import Steps, pipeline_steps
 from collectives.core.topology import LinkCosts, Topology
 
@@ -142,7 +142,7 @@ def hierarchical_allreduce_steps(
     if local_rank < shards:
         peers = [ranks[local_rank] for ranks in nodes]
         inter = [group.subgroup(peers, window) for window in windows]
-    sum_only = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    sum_only = summing(op)
 
     def reduce_scatter(block: int) -> Steps:
         bounds = chunk_bounds(block)

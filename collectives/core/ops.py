@@ -108,6 +108,12 @@ def combine_in_order(op: ReduceOp, rows: Any, out: Any) -> None:
         combine(op, out, row, out)
 
 
+def summing(op: ReduceOp) -> ReduceOp:
+    """The op to reduce with before `finalize`: the sum for a mean, else `op` itself (what an
+    engine that has no mean, and the steps of an algorithm, reduce with)."""
+    return ReduceOp.SUM if op is ReduceOp.MEAN else op
+
+
 def finalize(op: ReduceOp, buf: Any, contributors: int) -> None:
     """Apply the last step of `op` to a fully reduced buffer (divide by the count for `mean`)."""
     if op is not ReduceOp.MEAN or contributors == 1 or buf.size == 0:
