@@ -191,8 +191,8 @@ def measure(
     """Time `spec` on every rank (same arguments everywhere); returns the same rows on every rank.
 
     Each (algorithm, placement) runs `warmup` untimed iterations, then `iterations` timed ones,
-    each iteration timing every cell once, starting one cell further on than the one before. `progress` is called after each iteration
-    (`progress_steps` times), with a label.
+    each iteration timing every cell once, starting one cell further on than the one before.
+    `progress` is called after each iteration (`progress_steps` times), with a label.
     """
     np_dtype = np.dtype(spec.dtype)
     cells = [(a, p) for a in spec.algorithms for p in spec.placements]
