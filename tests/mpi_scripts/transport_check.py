@@ -281,6 +281,31 @@ def check_host() -> None:
         del os.environ["COLLECTIVES_RANKS_PER_NODE"]
 
 
+def check_crowded_node() -> None:
+    """Ranks on cores of their own are not a crowded node; two ranks that may run on one core only
+    are (their waits then yield the core at once and after every poll)."""
+    allowed = os.sched_getaffinity(0)
+    cores = sorted(set().union(*WORLD.allgather(allowed)))
+    try:
+        if len(cores) >= 2:
+            os.sched_setaffinity(0, {cores[WORLD.rank]})
+            t = MPITransport(WORLD)
+            assert not t.crowded
+            t.close()
+        os.sched_setaffinity(0, {cores[0]})
+        t = MPITransport(WORLD)
+        assert t.crowded
+        u = t.dup(1)
+        assert u.crowded
+        out = np.empty(100_000, np.float32)
+        u.native_allreduce(np.full(out.size, u.rank + 1, np.float32), out, "sum", timeout=10)
+        assert (out == 3).all()
+        u.close()
+        t.close()
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
 CHECKS = [value for name, value in sorted(globals().items()) if name.startswith("check_")]
 
 
