@@ -62,7 +62,7 @@ QUICK_SIZES = (4 << 10, 1 << 20, 4 << 20)
 cost per call and per message, and one large enough to catch a candidate that is slow per byte
 (MPI's polled native all-reduce); 64 MiB would take the pass over a second on threads."""
 
-QUICK_ROUNDS = 5
+QUICK_ROUNDS = 7
 
 QUICK_BUDGET = 0.2
 """Seconds after which the quick pass starts no further size (many thread ranks on few cores take
@@ -274,8 +274,12 @@ def measure(
         for algorithm in selector.candidates:
             comm.allreduce(src, algorithm=algorithm, out=out)  # warm up
         times: dict[str, list[float]] = {a: [] for a in selector.candidates}
-        for _ in range(rounds):
-            for algorithm in selector.candidates:
+        candidates = list(selector.candidates)
+        for round_ in range(rounds):
+            # each round starts one candidate further on: a call right after another algorithm's
+            # runs colder, and always the same candidate paying for it skewed the comparison
+            first = round_ % len(candidates)
+            for algorithm in candidates[first:] + candidates[:first]:
                 comm.barrier()
                 start = clock()
                 comm.allreduce(src, algorithm=algorithm, out=out)
