@@ -128,6 +128,25 @@ def _held_until_listening(reservations: Sequence[socket.socket], poll_seconds: f
             sock.close()
 
 
+_CLOSED_OUTPUTS: set[IO[str]] = set()
+"""The launcher's outputs whose reader went away (`... | head`); the ranks' lines to them are dropped."""
+
+
+def _drop_closed_output(target: IO[str]) -> None:
+    """Stop writing to `target`, whose reader has gone, and say so once on the other stream: the job
+    runs on (its ranks' output is still read, so that none blocks on a full pipe)."""
+    _CLOSED_OUTPUTS.add(target)
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), target.fileno())  # the final flush at exit must not fail
+    if target is sys.stdout and sys.stderr not in _CLOSED_OUTPUTS:
+        with contextlib.suppress(OSError):
+            print(
+                "collectives.launch: standard output was closed; the ranks' further lines to it are dropped",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 class _Rank:
     """One started process, the tail of its output, and when it failed."""
 
@@ -164,7 +183,12 @@ class _Rank:
                 self.first_error_at = time.monotonic()
             with lock:
                 self.last_lines.append(line)
-                print(f"{self.label}{line}", file=target, flush=True)
+                if target in _CLOSED_OUTPUTS:
+                    continue
+                try:
+                    print(f"{self.label}{line}", file=target, flush=True)
+                except BrokenPipeError:
+                    _drop_closed_output(target)
 
     def poll(self) -> int | None:
         """Its exit code, or None while it runs; notes when it was first seen to have exited."""

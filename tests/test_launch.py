@@ -7,6 +7,7 @@ checked to be gone afterwards.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import run_bounded
+from processes import STOP_SECONDS, run_bounded
 from test_mpi import needs_mpi
 
 LAUNCH_TIMEOUT = 60
@@ -126,6 +127,46 @@ def test_mpi_rank_traceback_is_the_jobs_own(tmp_path: Path) -> None:
         '[0]     raise ValueError("the job\'s own error")',
         "[0] ValueError: the job's own error",
     ]
+
+
+def test_closed_output_drops_the_ranks_lines_and_the_job_runs_on(tmp_path: Path) -> None:
+    """`launch ... | head -1`: once its standard output is closed, the launcher says so once on
+    standard error, drops the ranks' further lines there and lets the job finish (exit 0, no
+    traceback)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            print("first", flush=True)
+            time.sleep(1.0)
+            for line in range(2000):
+                print("more", line)
+            print("done", file=sys.stderr)
+            """
+        )
+    )
+    command = [sys.executable, "-m", "collectives.launch", "-n", "2", str(script)]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert launcher.stdout is not None
+        assert launcher.stdout.readline().endswith("] first\n")
+        launcher.stdout.close()
+        _, stderr = launcher.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if launcher.poll() is None:  # SIGTERM: the launcher stops its ranks; SIGKILL if it does not end
+            launcher.terminate()
+            try:
+                launcher.wait(STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+    assert launcher.returncode == 0, stderr
+    assert stderr.count("standard output was closed") == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    assert sorted(line for line in stderr.splitlines() if line.endswith("done")) == ["[0] done", "[1] done"]
 
 
 def test_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path: Path) -> None:
