@@ -11,6 +11,7 @@ memory."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import math
@@ -71,8 +72,14 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array whose data starts at an `ALIGNMENT`-byte boundary."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
+    start = -_address(raw) % ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _address(array: np.ndarray) -> int:
+    """Where a writeable, C-contiguous, non-empty array's data starts: through ctypes' view of its
+    buffer, which takes a third of the time of `array.ctypes.data` (0.27 against 0.79 us)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(array))
 
 
 def as_input(value: Any) -> Any:
@@ -123,6 +130,6 @@ def as_tensor(array: Any) -> Any:
     if is_device(array):
         return tf.experimental.dlpack.from_dlpack(array.toDlpack())
     flags = array.flags
-    if array.nbytes and flags.c_contiguous and flags.writeable and array.ctypes.data % ALIGNMENT == 0:
+    if array.nbytes and flags.c_contiguous and flags.writeable and _address(array) % ALIGNMENT == 0:
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     return tf.convert_to_tensor(array)
