@@ -78,8 +78,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def _address(array: np.ndarray) -> int:
     """Where a writeable, C-contiguous, non-empty array's data starts: through ctypes' view of its
-    buffer, which takes a third of the time of `array.ctypes.data` (0.27 against 0.79 us)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    buffer, which takes less than half the time of `array.ctypes.data` (0.34 against 0.79 us)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(array.data))
 
 
 def as_input(value: Any) -> Any:
