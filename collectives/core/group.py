@@ -153,27 +153,30 @@ class Group:
         """
         if len(self.members) == 1 or check is HeaderCheck.IN_ENGINE_CALL:
             return self
-        tags = self.tags
-        algorithm_tags = TagRange(tags.owner, tags.start + 1, tags.stop)
         if check is HeaderCheck.IMPLIED and not self.transport.agrees_natively:
-            return self._derive(self.members, algorithm_tags, None)
-        plain = self if self.agreement is None else self.without_agreement()
+            return self._after_agreement(None)
         agreement: Agreement
         if self.transport.agrees_natively:
-            agreement = start_engine_agreement(plain, tags.start)
+            agreement = start_engine_agreement(self._plain(), self.tags.start)
         else:
-            agreement = HeaderAgreement(plain, tags.start)
-        return self._derive(self.members, algorithm_tags, agreement)
+            agreement = HeaderAgreement(self._plain(), self.tags.start)
+        return self._after_agreement(agreement)
 
     def agreeing_in_allreduce(self, src: np.ndarray, dst: np.ndarray, op: str) -> Group:
         """This group (the whole world, planned `HeaderCheck.IN_ENGINE_CALL`), with its header
         agreement under way in an engine call that also all-reduces `src` into `dst` where every
         rank agrees (`Transport.start_agreement_with_allreduce`): `finish_agreement` then waits
         for both, and fails as any engine agreement's does."""
+        return self._after_agreement(start_engine_agreement(self._plain(), self.tags.start, (src, dst, op)))
+
+    def _after_agreement(self, agreement: Agreement | None) -> Group:
+        """This group on its tags after the first (the header agreement's), carrying `agreement`."""
         tags = self.tags
-        plain = self if self.agreement is None else self.without_agreement()
-        agreement = start_engine_agreement(plain, tags.start, (src, dst, op))
         return self._derive(self.members, TagRange(tags.owner, tags.start + 1, tags.stop), agreement)
+
+    def _plain(self) -> Group:
+        """This group with no agreement of its own: what an agreement waits in."""
+        return self if self.agreement is None else self.without_agreement()
 
     def without_agreement(self) -> Group:
         """This group, waiting plainly (used by the agreement itself)."""
