@@ -42,6 +42,7 @@ from collectives import Communicator
 from collectives.backends.device import runtime
 from collectives.core.arrays import is_device
 from collectives.core.ops import ReduceOp
+from collectives.selection.tuning import rotated
 
 from .payloads import REDUCING, expected_output, input_count, make_input, output_count
 from .raw import RAW, RAW_AGREED, RawAllreduce, raw_agreed_allreduce, raw_allreduce
@@ -209,11 +210,9 @@ def measure(
                 buffers.refill(placement)
                 buffers.run(algorithm, placement)
         for iteration in range(spec.iterations):
-            # each iteration starts at the next cell: the first after the untimed work in between
-            # (the copy-bound row, the progress line) ran some microseconds slower, which, always
-            # the same row, was auto's
-            first = iteration % len(cells)
-            for algorithm, placement in cells[first:] + cells[:first]:
+            # the first cell after the untimed work in between (the copy-bound row, the progress
+            # line) ran some microseconds slower: always the same row, auto's, until rotated
+            for algorithm, placement in rotated(cells, iteration):
                 buffers.refill(placement)
                 comm.barrier()
                 start = time.perf_counter()

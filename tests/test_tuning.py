@@ -172,3 +172,15 @@ def test_measure_starts_no_size_past_its_budget() -> None:
 
     results = collectives.run_threads(body, 2)
     assert all(r == results[0] for r in results) and results[0].sizes == (4096,)
+
+
+def test_each_round_of_an_interleaved_timing_starts_one_item_further_on() -> None:
+    """`rotated`: round r takes the items from the r-th on, wrapping, so every item comes first
+    (right after the untimed work between rounds) equally often."""
+    items = ("direct", "ring", "native")
+    assert [tuning.rotated(items, r) for r in range(4)] == [
+        ["direct", "ring", "native"],
+        ["ring", "native", "direct"],
+        ["native", "direct", "ring"],
+        ["direct", "ring", "native"],
+    ]

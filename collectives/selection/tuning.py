@@ -39,7 +39,7 @@ import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -47,6 +47,8 @@ from collectives._version import __version__
 from collectives.core import arrays
 from collectives.core.topology import LinkCost, LinkCosts, Topology
 from collectives.selection.selector import Tuning
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from collectives.communicator import Communicator
@@ -274,12 +276,8 @@ def measure(
         for algorithm in selector.candidates:
             comm.allreduce(src, algorithm=algorithm, out=out)  # warm up
         times: dict[str, list[float]] = {a: [] for a in selector.candidates}
-        candidates = list(selector.candidates)
         for round_ in range(rounds):
-            # each round starts one candidate further on: a call right after another algorithm's
-            # runs colder, and always the same candidate paying for it skewed the comparison
-            first = round_ % len(candidates)
-            for algorithm in candidates[first:] + candidates[:first]:
+            for algorithm in rotated(selector.candidates, round_):
                 comm.barrier()
                 start = clock()
                 comm.allreduce(src, algorithm=algorithm, out=out)
@@ -296,6 +294,15 @@ def measure(
         tuple(sizes[i] for i in order),
         {a: tuple(r[i] for i in order) for a, r in ratios.items() if any(x is not None for x in r)},
     )
+
+
+def rotated(items: Sequence[T], round_: int) -> list[T]:
+    """`items` in the order that round number `round_` of an interleaved timing takes them: from
+    the `round_`-th on, wrapping around. A call right after another algorithm's, or right after
+    the untimed work between rounds, runs colder; starting each round one further on spreads that
+    over every item instead of always charging the same one."""
+    first = round_ % len(items)
+    return [*items[first:], *items[:first]]
 
 
 def encode(costs: LinkCosts, tuning: Tuning, fingerprint: str, layout: str) -> bytes:
