@@ -378,6 +378,12 @@ def check_allreduce_pair(src: Buffer, dst: Buffer) -> None:
         )
 
 
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two host arrays are exactly the same bytes (one start, one length): a native
+    all-reduce in place, where any other overlap of its buffers is not."""
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
+
+
 def check_host_buffer(buf: Buffer, backend: str) -> None:
     """`check_buffer` for a transport that moves host memory only: a device array is refused
     (handed its pointer, the engine would read device memory as host memory)."""

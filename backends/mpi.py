@@ -145,6 +145,7 @@ from .base import (
     emulated_host,
     header_record,
     headers_of_records,
+    same_memory,
 )
 from .errors import (
     BackendUnavailableError,
@@ -976,7 +977,7 @@ class MPITransport(Transport):
         if src is dst:
             send = _MPI.IN_PLACE
         elif np.may_share_memory(src, dst):
-            if src.__array_interface__["data"][0] != dst.__array_interface__["data"][0]:
+            if not same_memory(src, dst):
                 dst[...] = src
             send = _MPI.IN_PLACE
         else:

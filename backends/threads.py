@@ -32,7 +32,16 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from .base import Buffer, Consume, LockRequest, Transport, check_allreduce_pair, check_buffer, wait_first
+from .base import (
+    Buffer,
+    Consume,
+    LockRequest,
+    Transport,
+    check_allreduce_pair,
+    check_buffer,
+    same_memory,
+    wait_first,
+)
 from .device import Event, copy_after_queued, is_device, runtime
 from .errors import (
     CollectiveError,
@@ -292,16 +301,12 @@ def _plan_shares(buffers: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.
     _check_alike([source for source, _ in buffers])
     for rank, (_, destination) in enumerate(buffers):
         for other, (source, _) in enumerate(buffers):
-            if np.may_share_memory(destination, source) and not _same_memory(destination, source):
+            if np.may_share_memory(destination, source) and not same_memory(destination, source):
                 raise ValueError(
                     f"rank {rank}'s destination overlaps rank {other}'s source; "
                     f"pass each rank's own buffers (out=x is fine)"
                 )
     return buffers
-
-
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
 
 
 class _Joining(NamedTuple):
