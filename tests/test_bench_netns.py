@@ -23,7 +23,7 @@ from collectives.bench.measure import Measurement, SweepResult
 from collectives.bench.output import describe_link_costs
 from collectives.core.topology import DEFAULT_LINK_COSTS
 
-REPOSITORY = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 RUN_TIMEOUT = 60
 
 
@@ -240,10 +240,6 @@ def leftover_namespaces(pid: int) -> list[str]:
     return [line.split()[0] for line in listed.splitlines() if line.startswith(f"{netns.NAMESPACE_PREFIX}{pid}-")]
 
 
-def environment() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])))
-
-
 @needs_namespaces
 def test_real_run_is_correct_and_leaves_no_namespace() -> None:
     process = subprocess.Popen(
@@ -251,8 +247,7 @@ def test_real_run_is_correct_and_leaves_no_namespace() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=environment(),
-        cwd=REPOSITORY,
+        cwd=TESTS,  # not the repository root, whose collectives/ would shadow a non-editable install
     )
     output, _ = process.communicate(timeout=RUN_TIMEOUT + 30)
     assert process.returncode == 0, output
@@ -272,8 +267,7 @@ def test_sigterm_during_a_real_run_stops_the_ranks_and_removes_the_namespaces() 
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=environment(),
-        cwd=REPOSITORY,
+        cwd=TESTS,  # not the repository root, whose collectives/ would shadow a non-editable install
     )
     try:
         assert process.stdout is not None

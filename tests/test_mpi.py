@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 SCRIPTS = TESTS / "mpi_scripts"
 JOB_TIMEOUT = 120.0
 KILL_TIMEOUT = 5.0
@@ -92,16 +91,17 @@ def mpirun(
     options: tuple[str, ...] = (),
     timeout: float = JOB_TIMEOUT,
 ) -> Job:
-    """Run `mpiexec [options] -n N python ARGS...` from the repository root; fail on a hang."""
+    """Run `mpiexec [options] -n N python ARGS...` from the tests' folder; fail on a hang. (Not from
+    the repository root, whose `collectives/` folder would shadow an installed, non-editable
+    `collectives` that `-m` or a script imports.)"""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVES_", "PMI_", "MPIR_CVAR_"))}
-    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
     environ["COLLECTIVES_AUTOTUNE"] = os.environ["COLLECTIVES_AUTOTUNE"]  # see conftest
     environ.update(env or {})
     command = [MPIEXEC, *options, "-n", str(n), sys.executable, *args]
     start = time.monotonic()
     process = subprocess.Popen(
         command,
-        cwd=ROOT,
+        cwd=TESTS,
         env=environ,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
