@@ -287,9 +287,47 @@ def _check_alike(sources: list[np.ndarray]) -> None:
         raise MismatchError(f"the ranks' buffers differ: {held}")
 
 
-def _reduce_alone(reduce: np.ufunc, buffers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """The native all-reduce's combine below `NATIVE_SHARES_BYTES`: every source reduced here."""
-    return _reduce_in_rank_order(reduce, [source for source, _ in buffers])
+class _Offered(NamedTuple):
+    """A rank's part in a native all-reduce's meeting: its buffers, and for a device source the
+    point in the rank's stream after which it holds the values (None for a host one)."""
+
+    src: Buffer
+    dst: Buffer
+    ready: Event
+
+
+def _combine_native(reduce: np.ufunc, offered: list[_Offered]) -> Any:
+    """The native all-reduce's combine: with device sources, every source reduced on the first
+    one's GPU (`_reduce_on_device`); with host sources, every source reduced by this thread (below
+    `NATIVE_SHARES_BYTES`, or where a destination is on a GPU) or the plan of every rank's share."""
+    if any(is_device(part.src) for part in offered):
+        return _reduce_on_device(reduce, offered)
+    if offered[0].src.nbytes < NATIVE_SHARES_BYTES or any(is_device(part.dst) for part in offered):
+        return _reduce_in_rank_order(reduce, [part.src for part in offered])
+    return _plan_shares([(part.src, part.dst) for part in offered])
+
+
+def _reduce_on_device(reduce: np.ufunc, offered: list[_Offered]) -> Any:
+    """Every rank's source reduced in rank order into new memory on the first device source's GPU,
+    by kernels that wait for each source's point of readiness; sources elsewhere (host memory,
+    another GPU) are first copied there. One thread launching the kernels is enough: the GPU does
+    the work in parallel, so there are no shares. Returns once the kernels have run."""
+    sources = [part.src for part in offered]
+    _check_alike(sources)  # before any copy: they are of one size
+    gpu = runtime()
+    home = next(source for source in sources if is_device(source))
+    local, after = [], []
+    for part in offered:
+        if is_device(part.src) and gpu.same_device(part.src, home):
+            local.append(part.src)
+            after.append(part.ready)
+        else:
+            copied = gpu.empty(part.src.size, part.src.dtype, like=home)
+            gpu.copy(copied, part.src, (part.ready, gpu.ready(copied)))
+            local.append(copied)
+    reduced: list[Any] = []
+    gpu.call_after(lambda: reduced.append(_reduce_in_rank_order(reduce, local)), home, after)
+    return reduced[0]
 
 
 def _plan_shares(buffers: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -407,8 +445,10 @@ class ThreadTransport(Transport):
         the elements, in rank order, writes it into every rank's `dst`, and waits in a second
         meeting until every share is written. Either way every rank gets the very same values:
         bit-identical everywhere. It is correct in place: a share is read and written by its
-        rank alone, and the single reducer works in fresh memory. Device buffers go through host
-        memory both ways.
+        rank alone, and the single reducer works in fresh memory. Device sources are reduced on
+        the GPU, by the last rank alone at every size (`_reduce_on_device`), and each rank copies
+        the result into its `dst`: staged through host memory, 4 ranks sharing one GPU took 7
+        times the ring's time at 16 MiB.
 
         Raises:
             TypeError: a dtype outside `native_dtypes`.
@@ -420,26 +460,16 @@ class ThreadTransport(Transport):
         """
         reduce = self._reduction(src, dst, op)
         deadline = None if timeout is None else time.monotonic() + timeout
-        host_src, host_dst = src, dst
-        if is_device(src):
-            host_src = np.empty(src.size, src.dtype)
-            copy_after_queued(host_src, src)
-        if is_device(dst):
-            host_dst = np.empty(dst.size, dst.dtype)
-        buffers = (host_src, host_dst)
         met: list[Any] = []
-        combine: Combine
-        if src.nbytes < NATIVE_SHARES_BYTES:
-            combine = functools.partial(_reduce_alone, reduce)
-        else:
-            combine = _plan_shares
-        self.fabric.meet(_REDUCE, self.rank, tag, buffers, combine, met.append).wait(_left(deadline))
-        if isinstance(met[0], np.ndarray):  # reduced alone
-            np.copyto(host_dst, met[0])
-        else:
+        offered = _Offered(src, dst, runtime().ready(src) if is_device(src) else None)
+        combine = functools.partial(_combine_native, reduce)
+        self.fabric.meet(_REDUCE, self.rank, tag, offered, combine, met.append).wait(_left(deadline))
+        if isinstance(met[0], list):  # every rank reduces its share
             self._write_share(reduce, met[0], tag, deadline)
-        if host_dst is not dst:
-            copy_after_queued(dst, host_dst)
+        elif is_device(met[0]) or is_device(dst):
+            copy_after_queued(dst, met[0])
+        else:
+            np.copyto(dst, met[0])
 
     def _reduction(self, src: Buffer, dst: Buffer, op: str) -> np.ufunc:
         """The function that reduces `src` into `dst` by `op`, once the buffers are checked."""

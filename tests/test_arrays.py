@@ -229,15 +229,17 @@ def test_every_collective_on_device_matches_the_host(size: int, count: int) -> N
     with installed() as gpu:
         on_gpu = collectives.run_threads(lambda comm: _every_collective(comm, on_device, count, "float32"), size)
         copies = gpu.entries("copy")
+        reductions = gpu.entries("call_after")
     for rank in range(size):
         assert on_gpu[rank].keys() == host[rank].keys()
         for name, result in on_gpu[rank].items():
             assert isinstance(result, FakeDeviceArray), f"rank {rank} {name}: {type(result).__name__}"
             np.testing.assert_array_equal(result, host[rank][name], err_msg=f"rank {rank} {name}")
-    if size > 1 and count:  # messages go device to device; the native all-reduce goes through host
-        staged = [kind for _, kind, _, _ in copies if kind != "device->device"]
-        assert sorted(staged) == ["device->host"] * size + ["host->device"] * size, staged
+    if size > 1 and count:  # messages, and the native all-reduce's results, go device to device
+        assert {kind for _, kind, _, _ in copies} == {"device->device"}, copies
         assert all(events for *_, events in copies), copies[:5]
+        # the native all-reduce: once, on the GPU, after every rank's source was ready
+        assert len([after for _, after in reductions if len(after) == size]) == 1, reductions
 
 
 @pytest.mark.parametrize("count", [5, NATIVE_SHARES_BYTES // 8 + 1])

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from fake_gpu import FakeDeviceArray, installed, on_device
 
 from collectives.backends import threads as threads_backend
 from collectives.backends.base import Transport, check_buffer
@@ -379,6 +380,57 @@ def test_native_allreduce_reduces_in_rank_order_identically_everywhere(
         np.testing.assert_allclose(destinations[rank], reference, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
         if not in_place:
             np.testing.assert_array_equal(sources[rank], inputs[rank], err_msg=f"rank {rank}: input modified")
+
+
+PLACEMENTS = {
+    "one GPU": ("gpu0", "gpu0", "gpu0"),
+    "a host rank": ("gpu0", "host", "gpu0"),
+    "two GPUs": ("host", "gpu1", "gpu0"),
+}
+
+
+def _placed(array: np.ndarray, where: str) -> np.ndarray:
+    return array if where == "host" else on_device(array, int(where[-1]))
+
+
+@pytest.mark.parametrize("shares_bytes", NATIVE_MODES)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_native_allreduce_of_device_sources_reduces_on_the_first_ones_gpu(
+    monkeypatch: pytest.MonkeyPatch, shares_bytes: int, placement: str, in_place: bool
+) -> None:
+    """Device sources are reduced once, on the GPU of the first rank's device source, by kernels
+    that wait for the sources there to be ready; the others are copied there first. Every rank
+    gets op(rank 0, rank 1, ...) in its own buffer's place, at every size (no shares on a GPU)."""
+    monkeypatch.setattr(threads_backend, "NATIVE_SHARES_BYTES", shares_bytes)
+    places = PLACEMENTS[placement]
+    rng = np.random.default_rng(len(placement))
+    inputs = [rng.uniform(-1, 1, 1001).astype(np.float32) for _ in places]
+    sources = [_placed(x.copy(), where) for x, where in zip(inputs, places)]
+    destinations = sources if in_place else [_placed(np.zeros_like(x), where) for x, where in zip(inputs, places)]
+    with installed() as gpu:
+        assert _native_allreduce(fabric(3), sources, destinations) == [None] * 3
+    in_rank_order = inputs[0] + inputs[1] + inputs[2]
+    for rank, where in enumerate(places):
+        assert isinstance(destinations[rank], FakeDeviceArray) == (where != "host"), f"rank {rank}"
+        np.testing.assert_array_equal(destinations[rank], in_rank_order, err_msg=f"rank {rank}")
+    home = next(where for where in places if where != "host")
+    ((_, after),) = gpu.entries("call_after")
+    assert len(after) == places.count(home), gpu.log
+    reduction = gpu.log.index(("call_after", after))
+    brought = [entry for entry in gpu.log[:reduction] if entry[0] == "copy"]
+    taken = [entry for entry in gpu.log[reduction:] if entry[0] == "copy"]
+    assert len(brought) == 3 - places.count(home) and len(taken) == 3, gpu.log
+
+
+def test_native_allreduce_of_differing_device_buffers_fails_everywhere_copying_nothing() -> None:
+    sources = [on_device(np.ones(4, np.float32)), np.ones(5, np.float32), on_device(np.ones(4, np.float32))]
+    with installed() as gpu:
+        errors = _native_allreduce(fabric(3), sources, [x.copy() for x in sources])
+    for rank, error in enumerate(errors):
+        assert isinstance(error, MismatchError), f"rank {rank}: {error!r}"
+        assert "rank 0 float32[4], rank 1 float32[5]" in str(error)
+    assert gpu.entries("copy") == [] and gpu.entries("call_after") == []
 
 
 @pytest.mark.parametrize("shares_bytes", NATIVE_MODES)
