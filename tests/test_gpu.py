@@ -426,11 +426,12 @@ def test_nccl_survivor_of_a_killed_peer_raises_within_its_timeout(tmp_path: Path
     if algorithm == "native" and _sharing_one_gpu_under_mps():
         pytest.skip("under MPS, a killed client whose NCCL kernel waits for a peer is never let go" + _UNDER_MPS)
     script = str(Path(__file__).resolve().parent / "gpu_scripts" / "nccl_killed_peer.py")
-    launch_job(
+    job = launch_job(
         ["--backend", "nccl", "-n", "2", script, str(_KILL_TIMEOUT), str(tmp_path), algorithm],
         timeout=_JOB_TIMEOUT,
         env=_MULTI_RANK_GPU,
     )
+    assert (tmp_path / "rank0.txt").exists(), f"the survivor wrote no report:\n{job.stdout}{job.stderr}"
     report = (tmp_path / "rank0.txt").read_text()
     name, seconds = report.split()[:2]
     assert name in ("PeerLostError", "CollectiveTimeoutError"), report

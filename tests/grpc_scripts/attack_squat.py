@@ -11,9 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from intruder import Squatter  # noqa: E402
+from intruder import Squatter
 
 
 def main(address: str, output: str, seconds: str) -> int:

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from collectives.backends.base import Transport
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
 
 
 def exchange(link: Transport, data: np.ndarray, scratch: np.ndarray, peer: int) -> None:

@@ -15,16 +15,13 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
+from worker import emit
 
-import numpy as np  # noqa: E402
-from worker import emit  # noqa: E402
-
-from collectives.backends.base import Request  # noqa: E402
-from collectives.backends.errors import CollectiveError  # noqa: E402
-from collectives.backends.grpc import GrpcTransport  # noqa: E402
+from collectives.backends.base import Request
+from collectives.backends.errors import CollectiveError
+from collectives.backends.grpc import GrpcTransport
 
 MESSAGE_BYTES = 16 * 1024 * 1024
 """With 256-byte frames, 65536 of them: arriving takes far longer than the go-ahead does."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from collectives.launch import free_loopback_ports
 
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 
 
 def world_environment(
@@ -31,10 +31,7 @@ def world_environment(
     for name in list(env):
         if name.startswith("COLLECTIVES_") or name == "TF_CONFIG":
             del env[name]
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        PYTHONUNBUFFERED="1",
-    )
+    env.update(PYTHONUNBUFFERED="1")
     if tf_config:
         task = {"type": "chief", "index": 0} if rank == 0 else {"type": "worker", "index": rank - 1}
         cluster = {"chief": list(addresses[:1]), "worker": list(addresses[1:])}
@@ -107,7 +104,7 @@ class World:
                 stderr=subprocess.STDOUT,
                 text=True,
                 start_new_session=True,
-                cwd=str(REPO),
+                cwd=str(HERE),
             )
         return self
 

@@ -17,15 +17,12 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from collectives import Communicator  # noqa: E402
-from collectives.backends.errors import CollectiveError  # noqa: E402
-from collectives.backends.grpc import GrpcTransport  # noqa: E402
+from collectives import Communicator
+from collectives.backends.errors import CollectiveError
+from collectives.backends.grpc import GrpcTransport
 
 ALGORITHMS = ("ring", "tree", "hierarchical", "hierarchical_tree", "reference")
 COMBOS = (

@@ -16,15 +16,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from collectives import Communicator  # noqa: E402
-from collectives.backends.mpi import SPIN_SECONDS, MPITransport  # noqa: E402
-from collectives.core.layout import DEFAULT_SEGMENT_BYTES  # noqa: E402
+from collectives import Communicator
+from collectives.backends.mpi import SPIN_SECONDS, MPITransport
+from collectives.core.layout import DEFAULT_SEGMENT_BYTES
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -17,12 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from collectives import CollectiveError, Communicator  # noqa: E402
-from collectives.backends.mpi import MPITransport  # noqa: E402
+from collectives import CollectiveError, Communicator
+from collectives.backends.mpi import MPITransport
 
 
 def main() -> int:

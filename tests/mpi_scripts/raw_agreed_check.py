@@ -11,15 +11,12 @@ matching call, whose result is the exact sum. Each rank prints "rank R: mismatch
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from collectives import Communicator, MismatchError  # noqa: E402
-from collectives.backends.mpi import MPITransport  # noqa: E402
-from collectives.bench.raw import raw_agreed_allreduce  # noqa: E402
+from collectives import Communicator, MismatchError
+from collectives.backends.mpi import MPITransport
+from collectives.bench.raw import raw_agreed_allreduce
 
 
 def main() -> int:

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from collectives import CollectiveError, CollectiveTimeoutError, Communicator, PeerLostError  # noqa: E402
-from collectives.backends.mpi import MPITransport  # noqa: E402
+from collectives import CollectiveError, CollectiveTimeoutError, Communicator, PeerLostError
+from collectives.backends.mpi import MPITransport
 
 TIMEOUT = 1.0
 

@@ -13,16 +13,13 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
+from mpi4py import MPI
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from collectives.backends import mpi as mpi_backend  # noqa: E402
-from collectives.backends.errors import CollectiveError, MismatchError, PeerLostError  # noqa: E402
-from collectives.backends.mpi import INLINE_BYTES, MAX_HEADER_BYTES, MPITransport  # noqa: E402
+from collectives.backends import mpi as mpi_backend
+from collectives.backends.errors import CollectiveError, MismatchError, PeerLostError
+from collectives.backends.mpi import INLINE_BYTES, MAX_HEADER_BYTES, MPITransport
 
 WORLD = MPI.COMM_WORLD
 H = b"allreduce algorithm=ring dtype=float32 shape=(4, 3) op=sum"
