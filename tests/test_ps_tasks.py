@@ -40,7 +40,7 @@ from collectives.ps_tasks import (
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "grpc_scripts"))
 
-from grpc_world import REPO, World  # noqa: E402
+from grpc_world import World  # noqa: E402
 
 sys.path.insert(0, str(HERE / "ps_scripts"))
 
@@ -52,7 +52,7 @@ requires_tf = pytest.mark.skipif(
     importlib.util.find_spec("tensorflow") is None, reason="tensorflow is not installed (pip install -e '.[tf]')"
 )
 NUMPY_JOB = HERE / "ps_scripts" / "numpy_job.py"
-TRAIN_KERAS = REPO / "examples" / "train_keras.py"
+TRAIN_KERAS = HERE.parent / "examples" / "train_keras.py"
 
 
 # -- TF_CONFIG (no grpcio needed) -------------------------------------------------------------------
