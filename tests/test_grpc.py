@@ -253,7 +253,7 @@ def test_import_without_grpcio() -> None:
         "try:\n    g.GrpcTransport(0, ['127.0.0.1:1'])\n"
         "except BackendUnavailableError as e:\n    print('UNAVAILABLE', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=HERE.parent)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=HERE)
     assert "UNAVAILABLE" in out.stdout and "pip install -e '.[grpc]'" in out.stdout, out.stdout + out.stderr
     assert issubclass(BackendUnavailableError, ImportError)
 

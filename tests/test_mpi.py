@@ -315,7 +315,7 @@ def test_bench_times_raw_mpi_beside_the_library() -> None:
     command = [
         sys.executable,
         "-m",
-        "bench",
+        "collectives.bench",
         "--backend",
         "mpi",
         "-n",
