@@ -106,6 +106,30 @@ def test_mpi_ranks_print_whole_lines_each_prefixed_once(tmp_path: Path, as_modul
     assert len(lines) == 2 * 201
 
 
+SPAWNS = """
+    import multiprocessing, os
+
+    def square(n):
+        return n * n
+
+    if __name__ == "__main__":
+        with multiprocessing.get_context("spawn").Pool(2) as pool:
+            print("rank", os.environ["PMI_RANK"], "squares", pool.map(square, range(4)))
+"""
+
+
+@needs_mpi
+@pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
+def test_mpi_rank_spawns_workers_that_import_its_main(tmp_path: Path, as_module: bool) -> None:
+    """A job run through the rank runner is `__main__` for `multiprocessing`'s spawn too: its
+    workers import it (a data loader's, a process pool's) and run its functions."""
+    job = ["-m", "job"] if as_module else [str(tmp_path / "job.py")]
+    result = launch_mpi(tmp_path, SPAWNS, "-n", "2", *job)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"[{rank}] rank {rank} squares [0, 1, 4, 9]" in result.stdout.splitlines(), result.stdout
+
+
 @needs_mpi
 def test_mpi_rank_traceback_is_the_jobs_own(tmp_path: Path) -> None:
     """A rank that raises shows the traceback `python job.py` would, without the frames of the
