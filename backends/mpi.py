@@ -53,7 +53,7 @@ the ring at 64 KiB 601 -> 510 us; 2 ranks on 2 cores within noise). With 4 and 8
 1.5x at 1 MiB, 3.5x at 64 KiB with 4 ranks). A rank whose peer comes a second late still spends
 about 0.05-0.08 CPU-seconds per second waiting: 2 ms of spinning, then a poll per sleep.
 Where the node is crowded (`crowded`: more ranks than the cores its ranks may run on together,
-from every local rank's CPU affinity at setup, the way Open MPI turns on its yield-when-idle for an
+from every local rank's CPU affinity and cgroup CPU quota at setup, the way Open MPI turns on its yield-when-idle for an
 oversubscribed node), a wait yields the core after every poll from its first ones on: a rank that
 arrives first then never holds a core that a rank it waits for could use. With 4 ranks on 2
 cores, 4 KiB native all-reduces back to back took 105-111 us against 110-140 before (rank 0,
@@ -137,6 +137,7 @@ from typing import Any
 
 import numpy as np
 
+from . import cpus
 from .base import (
     HEADER_LENGTH_BYTES,
     Transport,
@@ -209,13 +210,6 @@ _LEAKED: list[Any] = []
 """MPI operations that could not be completed before their transport closed, and communicators of
 failed transports, kept (with their buffers) for the life of the process so that MPI never touches
 freed memory and never hands a failed transport's context id to a new one."""
-
-
-def _usable_cores() -> set[int]:
-    """The cores this process may run on (all of them where the platform cannot say)."""
-    if hasattr(os, "sched_getaffinity"):
-        return os.sched_getaffinity(0)
-    return set(range(os.cpu_count() or 1))
 
 
 def _mpi() -> Any:
@@ -660,15 +654,15 @@ class MPITransport(Transport):
 
     def _node_identity(self, MPI: Any) -> tuple[str, bool]:
         """The node's name, agreed within each shared-memory group, and whether that group has more
-        ranks than the cores its ranks may run on together (a collective call, at setup only)."""
+        ranks than the cores its ranks may run on together, their cgroups' CPU quotas counted
+        (`cpus.crowded`; a collective call, at setup only)."""
         shared = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         try:
             name = bytearray(_NAME_BYTES)
             mine = MPI.Get_processor_name().encode()[:_NAME_BYTES]
             name[: len(mine)] = mine
             shared.Bcast([name, MPI.BYTE], root=0)  # shared rank 0 is the group's lowest rank
-            cores = set().union(*shared.allgather(_usable_cores()))
-            crowded = shared.Get_size() > len(cores)
+            crowded = cpus.crowded(shared.allgather(cpus.cpu_share()))
         finally:
             shared.Free()
         host = bytes(name).rstrip(b"\0").decode(errors="replace")

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from collectives.algorithms.registry import allreduce_steps, auto_candidates
+from collectives.backends.cpus import usable_cpus
 from collectives.backends.simulated import (
     Cluster,
     RankSteps,
@@ -230,7 +231,7 @@ def _run_all(calls: Sequence[tuple[Callable[..., Any], tuple]], workers: int | N
     CPU up to `DEFAULT_MAX_WORKERS`, or 1 where a spawned process could not re-import the main
     program, e.g. read from stdin)."""
     if workers is None:
-        workers = min(_usable_cpus(), DEFAULT_MAX_WORKERS) if _main_is_importable() else 1
+        workers = min(usable_cpus(), DEFAULT_MAX_WORKERS) if _main_is_importable() else 1
     workers = min(workers, len(calls))
     if workers <= 1:
         return [fn(*args) for fn, args in calls]
@@ -251,9 +252,3 @@ def _main_is_importable() -> bool:
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     return path is None or getattr(main, "__spec__", None) is not None or os.path.isfile(path)
-
-
-def _usable_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
