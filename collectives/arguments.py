@@ -81,7 +81,7 @@ def output_buffers(out: Any, shape: tuple[int, ...], dtype: np.dtype, like: Any 
     """
     if out is None:
         result = empty(shape, dtype, like)
-        return result, result.reshape(-1)
+        return result, _one_dimensional(result)
     _check_out_place(out, like)
     if out.shape != tuple(shape) or out.dtype != dtype:
         raise ValueError(
@@ -90,22 +90,29 @@ def output_buffers(out: Any, shape: tuple[int, ...], dtype: np.dtype, like: Any 
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out is read-only")
     if out.flags.c_contiguous:
-        return out, out.reshape(-1)
+        return out, _one_dimensional(out)
     return out, empty(out.size, dtype, out)
 
 
 def flat_view(array: Any) -> Any:
     """A 1-D C-contiguous view of `array` (a copy only if it is not contiguous): what algorithms take."""
     if type(array) is np.ndarray and array.flags.c_contiguous:  # the usual input, answered without a lookup
-        return array.reshape(-1)
-    return ascontiguous(array).reshape(-1)
+        return _one_dimensional(array)
+    return _one_dimensional(ascontiguous(array))
+
+
+def _one_dimensional(array: Any) -> Any:
+    """A C-contiguous `array` as one dimension: itself where it has one already (a CuPy reshape
+    costs about 1.5 us, twice per collective)."""
+    return array if array.ndim == 1 else array.reshape(-1)
 
 
 def copy_back(result: Any, target: Any, source: Any = None) -> Any:
     """Move `source` (if given) into `target`, then `target` into `result` if they differ; return `result`."""
     if source is not None and not may_share_memory(source, target):
         target[...] = source
-    if target.base is not result and not may_share_memory(result, target):  # a view of result: nothing to move
+    # nothing to move where target is result or a view of it
+    if target is not result and target.base is not result and not may_share_memory(result, target):
         result[...] = target.reshape(result.shape)
     return result
 
