@@ -158,9 +158,7 @@ def test_end_to_end_smoke(tmp_path: Path) -> None:
         "--sizes", "4K", "--repeats", "1", "--warmup", "1", "--rounds", "1", "--batch", "8",
         "--timeout", "120", "--json", str(out),
     ]  # fmt: skip
-    run = subprocess.run(
-        command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT, cwd=Path(__file__).parent.parent
-    )
+    run = subprocess.run(command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT, cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "All-reduce of a TF tensor" in run.stdout and "Targets:" in run.stdout
     document = json.loads(out.read_text())
