@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -54,7 +54,6 @@ from collectives.core.ops import ReduceOp
 
 from .payloads import expected_output, make_input
 
-_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_keras.py"
 _TRAIN_SAMPLES = 4096
 LOCAL = "local-"
 """Prefix of the training variants run with a plain tf.GradientTape (no communication)."""
@@ -111,17 +110,10 @@ class RankResult:
 
 
 def load_example() -> ModuleType:
-    """examples/train_keras.py as a module, for its `build_model` and `synthetic_digits`.
-
-    Loaded from its file because examples/ is a folder of scripts, not a package; both sides
-    import it, so they train exactly the same model on exactly the same data.
-    """
-    spec = importlib.util.spec_from_file_location("train_keras", _EXAMPLE)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"cannot load the example model from {_EXAMPLE}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """examples/train_keras.py (installed as `collectives.examples.train_keras`), for its
+    `build_model` and `synthetic_digits`: both sides import it, so they train exactly the same
+    model on exactly the same data. Imported on use: it imports TensorFlow."""
+    return importlib.import_module("collectives.examples.train_keras")
 
 
 def interleaved(

@@ -20,9 +20,9 @@ import tempfile
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras
-from train_keras import build_model, synthetic_digits  # the sibling script (its folder is on sys.path)
 
 import collectives
+from collectives.examples.train_keras import build_model, synthetic_digits  # the sibling example
 from collectives.strategies import (
     BroadcastGlobalVariablesCallback,
     DistributedOptimizer,

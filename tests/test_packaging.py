@@ -38,6 +38,7 @@ PACKAGE_FOLDERS = {
     "backends": "collectives/backends",
     "strategies": "collectives/strategies",
     "bench": "collectives/bench",
+    "examples": "collectives/examples",
 }
 """Each source folder and where its files land in the wheel."""
 
