@@ -53,9 +53,10 @@ the ring at 64 KiB 601 -> 510 us; 2 ranks on 2 cores within noise). With 4 and 8
 1.5x at 1 MiB, 3.5x at 64 KiB with 4 ranks). A rank whose peer comes a second late still spends
 about 0.05-0.08 CPU-seconds per second waiting: 2 ms of spinning, then a poll per sleep.
 Where the node is crowded (`crowded`: more ranks than the cores its ranks may run on together,
-from every local rank's CPU affinity and cgroup CPU quota at setup, the way Open MPI turns on its yield-when-idle for an
-oversubscribed node), a wait yields the core after every poll from its first ones on: a rank that
-arrives first then never holds a core that a rank it waits for could use. With 4 ranks on 2
+from every local rank's CPU affinity and cgroup CPU quota at setup, `backends.cpus`, the way Open
+MPI turns on its yield-when-idle for an oversubscribed node), a wait yields the core after every
+poll from its first ones on: a rank that arrives first then never holds a core that a rank it
+waits for could use. With 4 ranks on 2
 cores, 4 KiB native all-reduces back to back took 105-111 us against 110-140 before (rank 0,
 fastest of 7 blocks of 1000 calls, 5 launches each alternating); in `python -m bench` (3 launches
 each) native read 131-142 us against 141-163. With ranks on cores of their own, yielding at once
