@@ -73,10 +73,10 @@ def usable_cpus() -> int:
 def crowded(shares: Iterable[CpuShare]) -> bool:
     """Whether processes with these shares (those of one node) outnumber the cores they may run on:
     all of them together, or those of one cgroup its quota."""
+    everyone = list(shares)
     by_cgroup: dict[str, list[CpuShare]] = {}
-    for share in shares:
+    for share in everyone:
         by_cgroup.setdefault(share.cgroup, []).append(share)
-    everyone = [share for group in by_cgroup.values() for share in group]
     return _outnumber(everyone, math.inf) or any(
         _outnumber(group, min(share.quota for share in group)) for group in by_cgroup.values()
     )

@@ -56,12 +56,11 @@ Where the node is crowded (`crowded`: more ranks than the cores its ranks may ru
 from every local rank's CPU affinity and cgroup CPU quota at setup, `backends.cpus`, the way Open
 MPI turns on its yield-when-idle for an oversubscribed node), a wait yields the core after every
 poll from its first ones on: a rank that arrives first then never holds a core that a rank it
-waits for could use. With 4 ranks on 2
-cores, 4 KiB native all-reduces back to back took 105-111 us against 110-140 before (rank 0,
-fastest of 7 blocks of 1000 calls, 5 launches each alternating); in `python -m bench` (3 launches
-each) native read 131-142 us against 141-163. With ranks on cores of their own, yielding at once
-cost 20% at 4 KiB (2 ranks on 2 cores: 23.5 against 19.5 us back to back), so there the first 8
-polls stay without a yield.
+waits for could use. With 4 ranks on 2 cores, 4 KiB native all-reduces back to back took 105-111
+us against 110-140 before (rank 0, fastest of 7 blocks of 1000 calls, 5 launches each
+alternating); in `python -m bench` (3 launches each) native read 131-142 us against 141-163. With
+ranks on cores of their own, yielding at once cost 20% at 4 KiB (2 ranks on 2 cores: 23.5 against
+19.5 us back to back), so there the first 8 polls stay without a yield.
 `wait_any` polls all its requests in the same loop, so a pipelined collective waiting on several
 streams sees the first completion as promptly as a single wait would.
 `TimeoutError` comes when the timeout is up, leaving the request pending as the contract says.
