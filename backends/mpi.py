@@ -330,10 +330,41 @@ def _install_exit_guard() -> None:
         atexit.register(_at_exit)
 
 
-class _Request:
+class _Polled:
+    """A request this transport completes by polling MPI (`_progress`): waits spin and then sleep
+    (`MPITransport._block`), with a look at the abort channel between polls."""
+
+    __slots__ = ("_t", "_done", "_error")
+
+    _t: MPITransport
+    _done: bool
+    _error: CollectiveError | None
+
+    def wait(self, timeout: float | None) -> None:
+        if not (self._done or self._progress()):
+            self._t._block(self, timeout)
+        if self._error is not None:
+            raise self._error
+
+    def test(self) -> bool:
+        if self._done or self._progress():
+            return True
+        self._t._check_control()
+        return self._done
+
+    def _progress(self) -> bool:
+        """Poll MPI once; True once the request completed or failed."""
+        raise NotImplementedError
+
+    def _what(self) -> str:
+        """The request, as a timeout's message names it."""
+        raise NotImplementedError
+
+
+class _Request(_Polled):
     """A posted send or receive: one or two MPI requests plus the header check."""
 
-    __slots__ = ("_t", "_env", "_data", "_slot", "_buf", "_done", "_error", "peer", "tag")
+    __slots__ = ("_env", "_data", "_slot", "_buf", "peer", "tag")
 
     kind = "request"
 
@@ -347,18 +378,6 @@ class _Request:
         self._error: CollectiveError | None = None
         self.peer = peer
         self.tag = tag
-
-    def wait(self, timeout: float | None) -> None:
-        if not (self._done or self._progress()):
-            self._t._block(self, timeout)
-        if self._error is not None:
-            raise self._error
-
-    def test(self) -> bool:
-        if self._done or self._progress():
-            return True
-        self._t._check_control()
-        return self._done
 
     def _progress(self) -> bool:
         """Test the envelope, then the payload (when it travels apart); True once the request
@@ -506,12 +525,12 @@ class _Completed:
 _COMPLETED = _Completed()
 
 
-class _Native:
+class _Native(_Polled):
     """A pending engine collective (MPI_Iallreduce, MPI_Iallgather), polled like any other
     request; `tag` is the first tag of the collective it belongs to, so that an abort of a later
     collective spares it."""
 
-    __slots__ = ("_t", "_request", "_done", "_error", "_refs", "tag", "kind")
+    __slots__ = ("_request", "_refs", "tag", "kind")
 
     def __init__(
         self,
@@ -528,18 +547,6 @@ class _Native:
         self._error: CollectiveError | None = None
         self.tag = tag
         self.kind = kind
-
-    def wait(self, timeout: float | None) -> None:
-        if not (self._done or self._progress()):
-            self._t._block(self, timeout)
-        if self._error is not None:
-            raise self._error
-
-    def test(self) -> bool:
-        if self._done or self._progress():
-            return True
-        self._t._check_control()
-        return self._done
 
     def _progress(self) -> bool:
         try:
