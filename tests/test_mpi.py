@@ -177,12 +177,14 @@ LAYOUTS = [
 @needs_mpi
 @pytest.mark.parametrize(("n", "ranks_per_node", "nodes"), LAYOUTS)
 def test_shared_bodies_over_mpi(n: int, ranks_per_node: str | None, nodes: int) -> None:
-    """Every algorithm (native included) x counts x dtypes x ops, bit-identical on all ranks, and
-    reduce_scatter, allgather, broadcast, barrier: the bodies every backend runs."""
+    """Every algorithm (native included) x counts x dtypes x ops, bit-identical on all ranks, also
+    the max and min of NaN and signed zeros, and reduce_scatter, allgather, broadcast, barrier:
+    the bodies every backend runs."""
     env = {"COLLECTIVES_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {}
-    job = mpirun(n, str(TESTS / "run_body.py"), "allreduce_every_algorithm", "other_collectives", env=env)
-    assert_ok(job, n, "allreduce_every_algorithm ok")
-    assert_ok(job, n, "other_collectives ok")
+    bodies = ("allreduce_every_algorithm", "extrema_with_nan_and_signed_zeros", "other_collectives")
+    job = mpirun(n, str(TESTS / "run_body.py"), *bodies, env=env)
+    for body in bodies:
+        assert_ok(job, n, f"{body} ok")
 
 
 @needs_mpi
