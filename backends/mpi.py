@@ -233,7 +233,7 @@ _EXTREMA = {"max": np.maximum, "min": np.minimum}
 @functools.cache
 def _ordered_extremum(op: str, dtype: np.dtype) -> Any:
     """The MPI op of a native all-reduce taking the max or min ("max", "min") of floats of
-    `dtype`, which every rank gets bit for bit, NaN propagated as the library's own algorithms do.
+    `dtype`: every rank gets the same bits, NaN propagated as the library's own algorithms do.
 
     MPI's MAX and MIN are `a > b ? a : b`, which keeps or drops a NaN, or the sign of a zero,
     depending on which side it is on; and MPI combines the two sides in a different order on
