@@ -99,11 +99,11 @@ def extrema_with_nan_and_signed_zeros(comm: Communicator) -> None:
                 for rank in range(comm.size):
                     values = np.roll(np.resize(pattern, count), rank) * (-1.0) ** rank
                     inputs.append(values.astype(dtype))
+                stacked = np.stack(inputs)
+                expected_nan = np.isnan(stacked).any(axis=0)
                 for op, reduce in (("max", np.fmax), ("min", np.fmin)):
                     what = f"allreduce {algorithm} count={count} {dtype} {op}"
                     result = comm.allreduce(inputs[comm.rank], op=op, algorithm=algorithm)
-                    stacked = np.stack(inputs)
-                    expected_nan = np.isnan(stacked).any(axis=0)
                     np.testing.assert_array_equal(np.isnan(result), expected_nan, err_msg=f"{what}: NaN where")
                     extremum = reduce.reduce(stacked, axis=0)
                     np.testing.assert_array_equal(result[~expected_nan], extremum[~expected_nan], err_msg=what)
