@@ -361,6 +361,15 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release resources. Pending requests fail; further calls are errors."""
 
+    def leaving(self, next_tag: int) -> None:  # noqa: B027 - a hook most backends need not fill
+        """Called just before `close` by a communicator that closes cleanly: this rank will start
+        no collective from the one whose tags begin at `next_tag` on.
+
+        A peer that called more collectives (uneven data, a loop that ran once more) must fail in
+        the first of them at once, naming this rank, not at its deadline. Threads and gRPC need
+        nothing for that: their peers see a closed endpoint or an ended stream. A backend whose
+        peers would see nothing (MPI) tells them as it closes."""
+
 
 def check_buffer(buf: Buffer) -> None:
     """Reject buffers the contract does not allow, with a message saying what was expected."""

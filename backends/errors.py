@@ -71,6 +71,8 @@ class BackendUnavailableError(CollectiveError, ImportError):
 
 ABORT_MISMATCH = "mismatch"
 ABORT_LOST = "lost"
+ABORT_CLOSED = "closed"
+"""The kind of a notice that a peer closed cleanly (`Transport.leaving`), not an abort."""
 
 LIBRARY_TAGS = 1 << 30
 """Tags the library sends on lie in [0, LIBRARY_TAGS); a communicator's collectives take them in
@@ -122,6 +124,8 @@ def error_from_abort(origin: int, kind: str, text: str, *, rank: int) -> Collect
     """
     if kind == ABORT_MISMATCH:
         return MismatchError(f"{text} (reported to rank {rank} by rank {origin})")
+    if kind == ABORT_CLOSED:
+        return PeerLostError(f"rank {rank}: peer rank {origin} {text}")
     return PeerLostError(f"rank {rank}: peer rank {origin} aborted: {text}")
 
 

@@ -79,6 +79,14 @@ never frees its communicator (MPI would recycle its context id, and a later tran
 receive this one's stray messages); a cleanly closed one does. Transports still open at exit are
 closed before mpi4py's MPI_Finalize.
 
+Closing. A rank that closes its communicator (or exits without closing it) shows its MPI peers
+nothing: a peer that calls one collective more (uneven data, a loop that ran once more) would wait
+in it until its deadline. So `close`, after `leaving(next_tag)`, sends every peer a closing note
+on the abort channel (kind "closed", from the first collective this rank never starts): it fails
+only what the leaving rank will never do, at once, naming it. Ranks that close together each wait
+for every peer's note (`_CLOSING_NOTES_SECONDS`) and then free the communicator, since no message
+of it can still come; one whose peers are later keeps it, as a failed transport does.
+
 Native all-reduce. `algorithm="native"` is `MPI_Iallreduce` (SUM, MAX, MIN, PROD on FLOAT,
 DOUBLE, INT32_T, INT64_T, and FLOAT16_T where the MPI library has it, as MPICH 4+ does; else
 float16 is a TypeError), polled like any request, so it honours timeouts and abort notices
@@ -152,6 +160,7 @@ from .base import (
     same_memory,
 )
 from .errors import (
+    ABORT_CLOSED,
     BackendUnavailableError,
     CollectiveError,
     PeerLostError,
@@ -185,6 +194,11 @@ _CLOSE_DRAIN_SECONDS = 0.2
 """How long `close` lets MPI finish operations that failed requests left posted: an engine
 collective that every rank has called (an agreement a mismatch interrupted) completes within it,
 and one left pending at exit can crash MPI_Finalize."""
+
+_CLOSING_NOTES_SECONDS = 1.0
+"""How long a closing rank waits for every peer's closing note (`MPITransport.leaving`) before it
+keeps its communicator instead of freeing it: ranks that end together free theirs; one that a
+slow peer would keep waiting goes on."""
 
 _SPIN_POLLS = 8
 """Polls before the clock is first read and the core first yielded (see "Waiting" above)."""
@@ -649,6 +663,10 @@ class MPITransport(Transport):
         self._abort: tuple[int, str, str] | None = None
         self._abort_since: int | None = None
         """Requests on tags from here on fail once `_abort` is set (see `abort_reaches`)."""
+        self._leaving_since: int | None = None
+        """The first tag of the collectives this rank will never start, once `leaving` said so."""
+        self._departed: set[int] = set()
+        """The peers whose closing note (`leaving`) has arrived."""
         self._closed = False
         self._control_sends: list[tuple[Any, bytes]] = []
         self._waiting: dict[int, set[int]] = {}
@@ -851,19 +869,45 @@ class MPITransport(Transport):
     # -- failures -------------------------------------------------------------------------------
 
     def _check_control(self) -> None:
-        """Take in an abort notice, if one has arrived: every pending request fails with it."""
-        if self._abort is not None or self._closed:
+        """Take in an abort notice, if one has arrived: every pending request it reaches fails with
+        it. A peer's closing note (`leaving`) reaches the collectives that peer never started."""
+        if self._abort is not None or self._closed or not self._control.Test(self._control_status):
             return
-        if not self._control.Test(self._control_status):
-            return
+        notice, since, suspect = self._read_notice()
+        self._abort, self._abort_since = notice, since
+        if suspect:
+            _note_lost(f"rank {notice[0]} reported a lost peer", self._comm)
+        self._fail_pending(notice)
+
+    def _read_notice(self) -> tuple[tuple[int, str, str], int | None, bool]:
+        """The notice the control channel's receive just completed with (its `Test` was true), as
+        ((origin, kind, text), its first failed tag, whether its sender believed a peer lost); the
+        channel is then posted again for the next one."""
         origin = self._control_status.Get_source()
         length = self._control_status.Get_count(self._byte)
         kind, suspect, since, text = bytes(self._control_buf[:length]).split(b"\0", 3)
-        notice = self._abort = (origin, kind.decode(errors="replace"), text.decode(errors="replace"))
-        self._abort_since = None if since == _ALL_TAGS else int(since)
-        if suspect == _SUSPECT:
-            _note_lost(f"rank {origin} reported a lost peer", self._comm)
-        self._fail_pending(notice)
+        self._control = self._comm.Irecv([self._control_buf, self._byte], _MPI.ANY_SOURCE, self._control_tag)
+        notice = (origin, kind.decode(errors="replace"), text.decode(errors="replace"))
+        if notice[1] == ABORT_CLOSED:
+            self._departed.add(origin)
+        return notice, None if since == _ALL_TAGS else int(since), suspect == _SUSPECT
+
+    def _tell_peers(self, kind: str, since_tag: int | None, text: str) -> None:
+        """Send a notice to every peer on the control channel (non-blocking, never waited for)."""
+        suspect = _SUSPECT if _LOST is not None else b"-"
+        since = _ALL_TAGS if since_tag is None else str(since_tag).encode()
+        message = b"\0".join((kind.encode(), suspect, since, text.encode(errors="replace")))[:_CONTROL_BYTES]
+        self._send_to_peers(message, self._control_tag)
+
+    def _send_to_peers(self, message: bytes, tag: int) -> None:
+        """`Isend` `message` to every peer on `tag`; the sends complete by themselves (`close` drains them)."""
+        for peer in range(self.size):
+            if peer != self.rank:
+                try:
+                    request = self._comm.Isend([message, self._byte], peer, tag)
+                except _MPI.Exception:
+                    continue
+                self._control_sends.append((request, message))
 
     def _fail_pending(self, notice: tuple[int, str, str]) -> None:
         """Fail every pending request the abort `notice` (origin, kind, text) reaches."""
@@ -877,27 +921,24 @@ class MPITransport(Transport):
             return
         self._check_control()
         notice = self._abort
-        if notice is None:  # the first to give up tells everyone; a notice is never echoed
+        # A peer's closing note explains a failure in a collective that peer never started, and
+        # every peer has it; a failure before that is this rank's own to tell.
+        if notice is None or (  # the first to give up tells everyone; a notice is never echoed
+            notice[1] == ABORT_CLOSED and (since_tag is None or not abort_reaches(since_tag, self._abort_since))
+        ):
             kind = abort_kind(error)
-            text = str(error)
-            notice = self._abort = (self.rank, kind, text)
-            self._abort_since = since_tag
             if isinstance(error, TimeoutError):  # a peer did not answer: it may be dead
                 _note_lost(f"rank {self.rank}: {type(error).__name__}", self._comm)
-            suspect = _SUSPECT if _LOST is not None else b"-"
-            since = _ALL_TAGS if since_tag is None else str(since_tag).encode()
-            fields = (kind.encode(), suspect, since, text.encode(errors="replace"))
-            message = b"\0".join(fields)[:_CONTROL_BYTES]
-            for peer in range(self.size):
-                if peer != self.rank:
-                    try:
-                        request = self._comm.Isend([message, self._byte], peer, self._control_tag)
-                    except _MPI.Exception:
-                        continue
-                    self._control_sends.append((request, message))
+            self._tell_peers(kind, since_tag, str(error))
+            self._abort_since = since_tag if notice is None else earlier_abort(self._abort_since, since_tag)
+            notice = self._abort = (self.rank, kind, str(error))
         else:  # this rank gives up on what it was doing too
             self._abort_since = earlier_abort(self._abort_since, since_tag)
         self._fail_pending(notice)
+
+    def leaving(self, next_tag: int) -> None:
+        """Remember where this rank stops, for the closing note `close` sends every peer."""
+        self._leaving_since = next_tag
 
     # -- native all-reduce and agreement ---------------------------------------------------------
 
@@ -967,14 +1008,7 @@ class MPITransport(Transport):
         """Tell every peer that this rank waits in the collective whose tags start at `tag`."""
         if self._closed or self._abort is not None:
             return
-        message = str(tag).encode()
-        for peer in range(self.size):
-            if peer != self.rank:
-                try:
-                    request = self._comm.Isend([message, self._byte], peer, self._presence_tag)
-                except _MPI.Exception:
-                    continue
-                self._control_sends.append((request, message))
+        self._send_to_peers(str(tag).encode(), self._presence_tag)
 
     def waiting_ranks(self, tag: int) -> set[int]:
         """The peers whose `announce_waiting(tag)` has arrived (this rank not included).
@@ -1065,10 +1099,15 @@ class MPITransport(Transport):
     def close(self) -> None:
         """Fail pending requests, cancel the abort channel and free the duplicate communicator.
 
+        After `leaving`, tell every peer first: a peer waiting in a collective this rank will never
+        start fails at once, naming this rank, instead of at its deadline.
+
         A transport that aborted, got an abort notice or had to abandon MPI operations keeps its
         communicator instead of freeing it: MPI recycles the context ids of freed communicators,
         and a later transport that got the same one could receive this one's stray messages (an
-        abort notice its peer sent after this rank gave up, a payload nobody matched).
+        abort notice its peer sent after this rank gave up, a payload nobody matched). So does one
+        that told its peers it leaves until every peer's closing note has come
+        (`_CLOSING_NOTES_SECONDS`): a later note would be such a stray.
         """
         if self._closed:
             return
@@ -1076,9 +1115,21 @@ class MPITransport(Transport):
         _OPEN.discard(self)
         if _MPI.Is_finalized():
             return
-        clean = self._abort is None and not self._live and not self._parked
+        departing = self._abort is None or self._abort[1] == ABORT_CLOSED
+        clean = departing and not self._live and not self._parked
         for request in list(self._live):
             request._fail(PeerLostError(f"rank {self.rank}: transport closed with {request._what()} pending"))
+        if self._leaving_since is not None and departing:
+            self._tell_peers(
+                ABORT_CLOSED,
+                self._leaving_since,
+                "closed its communicator (or exited) after its last collective, so this one cannot "
+                "complete: this rank called more collectives than it did (uneven data across ranks, "
+                "or a loop that ran once more?)",
+            )
+            clean = clean and self._every_peer_closing()
+        elif self._abort is not None:
+            clean = False
         for channel, buffer in ((self._control, self._control_buf), (self._presence, self._presence_buf)):
             if channel.Test():
                 clean = False  # a notice came in after the last look
@@ -1108,3 +1159,19 @@ class MPITransport(Transport):
             self._comm.Free()
         else:
             _LEAKED.append((leftover, self._comm))
+
+    def _every_peer_closing(self) -> bool:
+        """Wait up to `_CLOSING_NOTES_SECONDS` for every peer's closing note; False if one did not
+        come, or an abort notice did (either way, messages of this communicator may still arrive)."""
+        deadline = time.monotonic() + _CLOSING_NOTES_SECONDS
+        pause = _PAUSE_MIN
+        while len(self._departed) < self.size - 1:
+            if self._control.Test(self._control_status):
+                if self._read_notice()[0][1] != ABORT_CLOSED:
+                    return False
+                continue
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, _PAUSE_MAX)
+        return True

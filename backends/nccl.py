@@ -1016,6 +1016,9 @@ class NcclTransport(Transport):
         if error is not None:
             self._channel.abort(error, None)
 
+    def leaving(self, next_tag: int) -> None:
+        self.control.leaving(next_tag)  # the agreements wait there: a peer hears of it there
+
     def close(self) -> None:
         """Stop the progress thread, close the channel, release the communicators (destroyed when
         nothing failed, else aborted), then close the control transport. Takes up to

@@ -270,6 +270,9 @@ class StagedTransport(AgreesThrough):
     def abort(self, error: BaseException, since_tag: int | None = None) -> None:
         self.inner.abort(error, since_tag)
 
+    def leaving(self, next_tag: int) -> None:
+        self.inner.leaving(next_tag)
+
     def close(self) -> None:
         self.inner.close()
         self.pool.clear()

@@ -153,7 +153,8 @@ class ThreadFabric:
         with self._lock:
             if self._abort is not None or self._closed:
                 abort = self._abort if abort_reaches(tag, self._abort_since) else None
-                failure = post_refusal(abort, self._closed, rank, rank)
+                absent = min(self._closed - {rank}, default=rank)  # a closed rank never comes to a meeting
+                failure = post_refusal(abort, self._closed, rank, absent)
                 if failure is not None:
                     request._finish(failure)
                     return request

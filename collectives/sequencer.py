@@ -32,12 +32,14 @@ The sequencer knows nothing of algorithms: a collective is a header and a functi
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import itertools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -57,6 +59,25 @@ of two, so that backends which fold tags modulo a smaller power of two still kee
 
 _SETUP_SEQUENCE = 0
 """The tag block of `run_setup`; collectives are numbered from 1."""
+
+_OPEN: weakref.WeakSet[Sequencer] = weakref.WeakSet()
+"""Sequencers not yet closed, which `_close_at_exit` closes."""
+
+
+def _close_at_exit() -> None:
+    """Close, at exit, the communicators a program left open, as `close()` would have: so that a
+    peer still waiting in a collective this rank will never start hears of it now (MPI's
+    transport tells it as it closes, `Transport.leaving`), not at its deadline. Registered when
+    the first sequencer is made, after its transport: `atexit` runs it before the hooks that
+    transports register to close themselves, which cannot say where their rank stopped. One
+    with a collective still running is left as it is."""
+    for sequencer in list(_OPEN):
+        if sequencer._next_to_run <= sequencer._last_submitted:
+            continue  # a collective still runs: closing would wait for it, up to its deadline
+        try:
+            sequencer.close()
+        except Exception:  # noqa: BLE001 - exiting anyway; the others must still close
+            log.debug("closing a communicator at exit failed", exc_info=True)
 
 
 class Work(concurrent.futures.Future):
@@ -133,6 +154,10 @@ class Sequencer:
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         """The communication thread, started by the first collective that is queued."""
+        if not _OPEN:
+            atexit.unregister(_close_at_exit)
+            atexit.register(_close_at_exit)  # after this transport's own hook: runs before it
+        _OPEN.add(self)
 
     @property
     def broken(self) -> bool:
@@ -216,9 +241,12 @@ class Sequencer:
                 return
             self._closed = True
             thread = self._thread
+        _OPEN.discard(self)
         if thread is not None:
             self._queue.put(None)
             thread.join()
+        if self._broken is None:  # a broken one has told its peers already (`_break`)
+            self._transport.leaving(collective_tags((self._last_submitted + 1) % _TAG_WRAP, "none").start)
         self._transport.close()
 
     def _enqueue(self, task: _Task) -> None:

@@ -3,6 +3,8 @@
 * An abort fails the failed collective and the ones after it, never one the aborting rank had
   completed: a slower rank still finishing it (its `init()`) finishes it, and fails at its next call.
 * A timeout names the rank that did not reach the collective, not the neighbour that waited for it.
+* A rank that closes its communicator or exits while its peers call one collective more fails
+  them in it at once, naming it, on threads, MPI and gRPC.
 * The launcher names the rank that failed first, lets a stopped rank act on being stopped, and
   passes every line on whole.
 * A lost gRPC peer is called lost, a bad timeout and a masked array are refused.
@@ -97,6 +99,52 @@ def test_failed_collective_breaks_the_communicator_from_its_own_tags() -> None:
 
 
 # -- a timeout names who did not arrive ------------------------------------------------------------
+
+
+# -- a rank that stops early ----------------------------------------------------------------------
+
+
+def test_a_rank_that_closes_early_fails_its_peers_at_once_on_threads() -> None:
+    """Rank 2 of 3 runs one all-reduce fewer and closes: the others' extra all-reduce fails at
+    once with PeerLostError naming it, not at the 60 s deadline."""
+
+    def body(comm: Communicator) -> str | None:
+        for _ in range(3 if comm.rank == 2 else 4):
+            try:
+                comm.allreduce(np.ones(256, np.float32))
+            except PeerLostError as error:
+                return str(error)
+        comm.close()
+        return None
+
+    started = time.monotonic()
+    messages = collectives.run_threads(body, world_size=3, timeout=60)
+    assert time.monotonic() - started < 30, "the peers waited for their deadline"
+    for rank in (0, 1):
+        assert "rank 2" in str(messages[rank]), f"rank {rank}: {messages[rank]}"
+
+
+@needs_mpi
+@pytest.mark.parametrize("ending", ["close", "exit"])
+def test_a_rank_that_stops_early_fails_its_peers_at_once_over_mpi(ending: str) -> None:
+    """Rank 2 of 3 runs one all-reduce fewer, then closes its communicator or exits without
+    closing it: MPI shows its peers nothing, so it tells them as it closes (`Transport.leaving`)
+    and their extra all-reduce fails at once naming it, not at the 60 s deadline."""
+    job = mpirun(3, str(SCRIPTS / "uneven_steps.py"), ending)
+    assert_ok(job, 3, "uneven steps ok")
+    assert "closed its communicator (or exited) after its last collective" in job.output, job.output
+    assert job.seconds < 40, f"took {job.seconds:.1f} s: the peers waited for their deadline"
+
+
+@needs_grpc
+@pytest.mark.parametrize("ending", ["close", "exit"])
+def test_a_rank_that_stops_early_fails_its_peers_at_once_over_grpc(ending: str) -> None:
+    started = time.monotonic()
+    result = launch_job(["-n", "3", str(SCRIPTS / "uneven_steps.py"), ending])
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(3):
+        assert f"[{rank}] rank {rank}: uneven steps ok" in result.stdout, result.stdout + result.stderr
+    assert time.monotonic() - started < 40, "the peers waited for their deadline"
 
 
 def test_timeout_names_the_rank_that_never_arrived() -> None:

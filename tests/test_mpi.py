@@ -273,6 +273,11 @@ def test_host_collectives_through_nccl_with_mpi_as_its_control(n: int) -> None:
 
 
 @needs_mpi
+def test_closing_note_spares_earlier_collectives_and_ranks_closing_together_free_their_communicator() -> None:
+    assert_ok(mpirun(2, str(SCRIPTS / "closing_notes.py")), 2, "closing notes ok")
+
+
+@needs_mpi
 def test_slow_peer_is_not_a_lost_peer() -> None:
     """A rank that arrives after the others' timeout: the first to time out raises
     CollectiveTimeoutError, the rest PeerLostError, and since nobody died the job exits normally
