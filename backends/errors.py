@@ -112,7 +112,10 @@ def post_refusal(
     if rank in closed:
         return PeerLostError(f"rank {rank}: transport already closed")
     if peer in closed:
-        return PeerLostError(f"rank {rank}: peer rank {peer} has closed its transport")
+        return PeerLostError(
+            f"rank {rank}: peer rank {peer} has closed its transport; this rank called more collectives "
+            f"than it did (uneven data across ranks, or a loop that ran once more?)"
+        )
     return None
 
 
