@@ -60,8 +60,9 @@ of two, so that backends which fold tags modulo a smaller power of two still kee
 _SETUP_SEQUENCE = 0
 """The tag block of `run_setup`; collectives are numbered from 1."""
 
-_OPEN: weakref.WeakSet[Sequencer] = weakref.WeakSet()
-"""Sequencers not yet closed, which `_close_at_exit` closes."""
+_OPEN: weakref.WeakValueDictionary[int, Sequencer] = weakref.WeakValueDictionary()
+"""Sequencers not yet closed, by the order they were made in, which `_close_at_exit` closes."""
+_MADE = itertools.count()
 
 
 def _close_at_exit() -> None:
@@ -71,7 +72,7 @@ def _close_at_exit() -> None:
     the first sequencer is made, after its transport: `atexit` runs it before the hooks that
     transports register to close themselves, which cannot say where their rank stopped. One
     with a collective still running is left as it is."""
-    for sequencer in list(_OPEN):
+    for _, sequencer in sorted(_OPEN.items(), reverse=True):  # newest first, as every rank made them
         if sequencer._next_to_run <= sequencer._last_submitted:
             continue  # a collective still runs: closing would wait for it, up to its deadline
         try:
@@ -157,7 +158,8 @@ class Sequencer:
         if not _OPEN:
             atexit.unregister(_close_at_exit)
             atexit.register(_close_at_exit)  # after this transport's own hook: runs before it
-        _OPEN.add(self)
+        self._made = next(_MADE)
+        _OPEN[self._made] = self
 
     @property
     def broken(self) -> bool:
@@ -241,7 +243,7 @@ class Sequencer:
                 return
             self._closed = True
             thread = self._thread
-        _OPEN.discard(self)
+        _OPEN.pop(self._made, None)
         if thread is not None:
             self._queue.put(None)
             thread.join()
