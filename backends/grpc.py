@@ -228,7 +228,10 @@ below `LIBRARY_TAGS`, so every context has a tag range of its own."""
 MAX_CONTEXTS = wire.MAX_TAG >> CONTEXT_SHIFT
 """Context ids fit, shifted, in the frame prefix's tag."""
 
-_STREAM_ENDED = "is lost: its stream ended (it closed its transport, or its process exited or died)"
+_STREAM_ENDED = (
+    "is lost: its stream ended (it closed its transport or exited, as a rank that ran fewer collectives than "
+    "this one does on uneven data, or its process died)"
+)
 """Why a peer is gone when its stream ended without an error: a killed process's can end so too."""
 
 
