@@ -1163,15 +1163,16 @@ class MPITransport(Transport):
     def _every_peer_closing(self) -> bool:
         """Wait up to `_CLOSING_NOTES_SECONDS` for every peer's closing note; False if one did not
         come, or an abort notice did (either way, messages of this communicator may still arrive)."""
-        deadline = time.monotonic() + _CLOSING_NOTES_SECONDS
-        pause = _PAUSE_MIN
-        while len(self._departed) < self.size - 1:
-            if self._control.Test(self._control_status):
-                if self._read_notice()[0][1] != ABORT_CLOSED:
-                    return False
-                continue
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, _PAUSE_MAX)
-        return True
+        aborted = False
+
+        def progress() -> bool:
+            nonlocal aborted
+            if self._control.Test(self._control_status) and self._read_notice()[0][1] != ABORT_CLOSED:
+                aborted = True
+            return aborted or len(self._departed) == self.size - 1
+
+        try:
+            self._poll_until(progress, lambda: False, lambda: "closing notes", _CLOSING_NOTES_SECONDS)
+        except TimeoutError:
+            return False
+        return not aborted
