@@ -248,7 +248,8 @@ class Sequencer:
             self._queue.put(None)
             thread.join()
         if self._broken is None:  # a broken one has told its peers already (`_break`)
-            self._transport.leaving(collective_tags((self._last_submitted + 1) % _TAG_WRAP, "none").start)
+            first_never_started = collective_tags((self._last_submitted + 1) % _TAG_WRAP, "the collective not started")
+            self._transport.leaving(first_never_started.start)
         self._transport.close()
 
     def _enqueue(self, task: _Task) -> None:
