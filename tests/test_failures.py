@@ -98,9 +98,6 @@ def test_failed_collective_breaks_the_communicator_from_its_own_tags() -> None:
     assert aborts and all(since == 2 * 64 for since in aborts), aborts  # collective 2: setup 0, barrier 1
 
 
-# -- a timeout names who did not arrive ------------------------------------------------------------
-
-
 # -- a rank that stops early ----------------------------------------------------------------------
 
 
@@ -145,6 +142,9 @@ def test_a_rank_that_stops_early_fails_its_peers_at_once_over_grpc(ending: str) 
     for rank in range(3):
         assert f"[{rank}] rank {rank}: uneven steps ok" in result.stdout, result.stdout + result.stderr
     assert time.monotonic() - started < 40, "the peers waited for their deadline"
+
+
+# -- a timeout names who did not arrive ------------------------------------------------------------
 
 
 def test_timeout_names_the_rank_that_never_arrived() -> None:
