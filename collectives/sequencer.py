@@ -118,11 +118,14 @@ def completed_work(result: Any) -> Work:
 
 @dataclass
 class _Task:
+    """A collective queued for the communication thread (a blocking call run on its caller's
+    thread needs none)."""
+
     seq: int
     header: bytes
     run: Callable[[Group], Any]
-    work: Work | None
-    """Where an async call's result goes; None for a blocking call run on its caller's thread."""
+    work: Work
+    """Where its result goes."""
     check: HeaderCheck = HeaderCheck.AGREEMENT
     """How it shows that every rank called it alike (`Group.with_agreement`)."""
 
@@ -193,8 +196,7 @@ class Sequencer:
         """
         work = Work()
         with self._submit_lock:
-            task = self._numbered(header, run, work, check)
-            self._enqueue(task)
+            self._enqueue(_Task(self._next_seq(header), header, run, work, check))
         return work
 
     def call(self, header: bytes, run: Callable[[Group], T], *, check: HeaderCheck = HeaderCheck.AGREEMENT) -> T:
@@ -210,31 +212,32 @@ class Sequencer:
             Whatever the collective raised (it breaks the communicator).
         """
         caller = threading.get_ident()
+        work = None
         with self._submit_lock:
-            task = self._numbered(header, run, None, check)
+            seq = self._next_seq(header)
             self._caller = caller
-            if task.seq != self._next_to_run:
-                task.work = Work()
-                self._enqueue(task)
+            if seq != self._next_to_run:
+                work = Work()
+                self._enqueue(_Task(seq, header, run, work, check))
         try:
-            if task.work is None:
-                return self._run(task)
-            return task.work.result()
+            if work is None:
+                return self._run(seq, header, run, check)
+            return work.result()
         finally:
             self._caller = None
 
-    def _numbered(self, header: bytes, run: Callable[[Group], Any], work: Work | None, check: HeaderCheck) -> _Task:
-        """The next collective in the call order (lock held), unless no call may be made now."""
+    def _next_seq(self, header: bytes) -> int:
+        """The next collective's place in the call order (lock held), unless no call may be made now."""
         if (refusal := self._refusal()) is not None:
             raise refusal
         caller = self._caller
         if caller is not None and caller != threading.get_ident():
             raise self._concurrent_use(caller, header)
-        task = _Task(next(self._sequence), header, run, work, check)
+        seq = next(self._sequence)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("rank %d: #%d %s", self._transport.rank, task.seq, header.decode(errors="replace"))
-        self._last_submitted = task.seq
-        return task
+            log.debug("rank %d: #%d %s", self._transport.rank, seq, header.decode(errors="replace"))
+        self._last_submitted = seq
+        return seq
 
     def close(self) -> None:
         """Finish queued collectives, stop the communication thread and close the transport."""
@@ -320,11 +323,10 @@ class Sequencer:
     def _execute(self, task: _Task) -> None:
         """Run a queued collective and hand its result or error to its `Work`."""
         work = task.work
-        assert work is not None, "only calls with a Work are queued"
         work.set_running_or_notify_cancel()
         work.started_at = time.perf_counter()
         try:
-            result = self._run(task)
+            result = self._run(task.seq, task.header, task.run, task.check)
         except BaseException as error:  # noqa: BLE001 - handed to the caller through Work
             work.finished_at = time.perf_counter()
             work.set_exception(error)
@@ -332,23 +334,23 @@ class Sequencer:
             work.finished_at = time.perf_counter()
             work.set_result(result)
 
-    def _run(self, task: _Task) -> Any:
-        """Run the collective whose turn it is and return its result; a failure breaks the
-        sequencer and is raised. Either way the next collective may start afterwards."""
+    def _run(self, seq: int, header: bytes, run: Callable[[Group], T], check: HeaderCheck) -> T:
+        """Run collective number `seq`, whose turn it is, and return its result; a failure breaks
+        the sequencer and is raised. Either way the next collective may start afterwards."""
         try:
             if self._broken is not None:  # queued before the failure: fail fast, do not talk
                 raise self._broken_refusal(self._broken)
-            group = self._group(task.seq, task.header).with_agreement(task.check)
-            result = task.run(group)
+            group = self._group(seq, header).with_agreement(check)
+            result = run(group)
             group.finish_agreement()
             if self._broken is not None:  # broken by another thread meanwhile: the result may be another's
                 raise self._broken_refusal(self._broken)
         except BaseException as error:
             if not isinstance(error, CommunicatorBrokenError):
-                self._break(error, task.seq)
+                self._break(error, seq)
             raise
         finally:
-            self._finish(task.seq)
+            self._finish(seq)
         return result
 
     def _finish(self, seq: int) -> None:
