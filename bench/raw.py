@@ -30,6 +30,7 @@ from collectives import Communicator
 from collectives.arguments import collective_header
 from collectives.backends.errors import MismatchError
 from collectives.core.group import digests_agree, header_digests
+from collectives.core.ops import ReduceOp
 
 RAW = "raw"
 """The row's name, given with -a like an algorithm."""
@@ -107,7 +108,7 @@ def raw_agreed_allreduce(comm: Communicator, op: str) -> RawAllreduce:
     agreed = np.empty(2, dtype=np.int64)
 
     def run(src: np.ndarray, out: np.ndarray) -> None:
-        header = collective_header("allreduce", src, algorithm=RAW_AGREED, op=op)
+        header = collective_header("allreduce", src, algorithm=RAW_AGREED, op=ReduceOp.parse(op))
         mine = header_digests(header)
         engine.Allreduce([mine, MPI.INT64_T], [agreed, MPI.INT64_T], op=MPI.MAX)
         if not digests_agree(mine, agreed):

@@ -34,10 +34,14 @@ def reduction_input(x: Any, op: str | ReduceOp) -> tuple[Any, ReduceOp]:
         ValueError: `op` is not a reduction op (checked first).
         TypeError: `x` is not array-like, or `op` cannot reduce its dtype.
     """
-    op = ReduceOp.parse(op)
+    op = _parse_op(op)
     src = _as_array(x)
     check_reduction(op, src.dtype)
     return src, op
+
+
+_parse_op = ReduceOp.parse
+"""Bound once: looking a classmethod up on an enum class costs more than the call itself."""
 
 
 def transfer_input(x: Any) -> Any:
@@ -82,7 +86,8 @@ def output_buffers(out: Any, shape: tuple[int, ...], dtype: np.dtype, like: Any 
     if out is None:
         result = empty(shape, dtype, like)
         return result, _one_dimensional(result)
-    _check_out_place(out, like)
+    if type(out) is not np.ndarray or type(like) is not np.ndarray:  # numpy and numpy, the usual call, is fine
+        _check_out_place(out, like)
     if out.shape != tuple(shape) or out.dtype != dtype:
         raise ValueError(
             f"out must have shape {tuple(shape)} and dtype {dtype}, got shape {out.shape} and dtype {out.dtype}"
@@ -118,7 +123,7 @@ def copy_back(result: Any, target: Any, source: Any = None) -> Any:
 
 
 def collective_header(
-    collective: str, src: Any, *, algorithm: str, op: str | None = None, root: int | None = None
+    collective: str, src: Any, *, algorithm: str, op: ReduceOp | None = None, root: int | None = None
 ) -> bytes:
     """What every message of this collective carries; ranks must agree on all of it.
 
@@ -130,7 +135,7 @@ def collective_header(
     if header is None:
         words = [collective, f"algorithm={algorithm}", f"dtype={src.dtype}", f"shape={src.shape}"]
         if op is not None:
-            words.append(f"op={op}")
+            words.append(f"op={op.value}")
         if root is not None:
             words.append(f"root={root}")
         header = " ".join(words).encode()

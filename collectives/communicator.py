@@ -64,7 +64,7 @@ from collectives.backends.staged import with_host_staging
 from collectives.core.arrays import empty, is_device, may_share_memory
 from collectives.core.group import Group, HeaderCheck
 from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds
-from collectives.core.ops import ReduceOp, finalize, summing
+from collectives.core.ops import ReduceOp, engine_op, finalize
 from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
 from collectives.selection.native import NATIVE, native_model
@@ -256,7 +256,7 @@ class Communicator:
         flat = flat_view(src)
         if self.size == 1:
             return _Local(copy_back(result, target, flat), src)
-        header = collective_header("allreduce", src, algorithm=chosen, op=op.value)
+        header = collective_header("allreduce", src, algorithm=chosen, op=op)
         if chosen == NATIVE:
             # in a meeting (threads), where a rank's buffers live decides how they join it
             says_buffer = self._transport.native_meets
@@ -290,7 +290,7 @@ class Communicator:
     ) -> np.ndarray:
         """The engine's all-reduce or reduce-scatter (`native`, the transport's method) of `flat`
         into `target`; a mean is the engine's sum, divided here."""
-        self._run_native(group, what, native, flat, target, summing(op).value)
+        self._run_native(group, what, native, flat, target, engine_op(op))
         finalize(op, target, self.size)
         return copy_back(result, target)
 
@@ -301,7 +301,7 @@ class Communicator:
         call (`Transport.agrees_in_native_allreduce`): one call where `_native_reduction` makes
         two. The call reduces only where every rank agreed; where one did not, the agreement
         raises `MismatchError` as it does before any collective."""
-        group.agreeing_in_allreduce(flat, target, summing(op).value).finish_agreement()
+        group.agreeing_in_allreduce(flat, target, engine_op(op)).finish_agreement()
         finalize(op, target, self.size)
         return copy_back(result, target)
 
@@ -368,7 +368,7 @@ class Communicator:
         if self._runs_natively("reduce_scatter", src) and src.shape[0] % self.size == 0:
             scatter = self._transport.native_reduce_scatter
             run_native = functools.partial(self._native_reduction, "reduce-scatter", scatter, flat, target, result, op)
-            header = collective_header("reduce_scatter", src, algorithm=NATIVE, op=op.value)
+            header = collective_header("reduce_scatter", src, algorithm=NATIVE, op=op)
             return self._planned(header, run_native, src)
 
         def run(group: Group) -> np.ndarray:
@@ -380,7 +380,7 @@ class Communicator:
             finalize(op, work_space[mine], self.size)
             return copy_back(result, target, work_space[mine])
 
-        return self._planned(collective_header("reduce_scatter", src, algorithm="ring", op=op.value), run, src)
+        return self._planned(collective_header("reduce_scatter", src, algorithm="ring", op=op), run, src)
 
     def allgather(self, x: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Concatenate every rank's `x` (same shape on all ranks) along the first axis, rank order

@@ -163,7 +163,7 @@ def test_copy_back_moves_source_then_target() -> None:
 def test_collective_header_names_everything_ranks_must_agree_on() -> None:
     x = np.ones((2, 3), np.float16)
     assert collective_header("allgather", x, algorithm="ring") == b"allgather algorithm=ring dtype=float16 shape=(2, 3)"
-    assert collective_header("allreduce", x, algorithm="tree", op="max") == (
+    assert collective_header("allreduce", x, algorithm="tree", op=ReduceOp.MAX) == (
         b"allreduce algorithm=tree dtype=float16 shape=(2, 3) op=max"
     )
     assert collective_header("broadcast", x, algorithm="tree", root=0).endswith(b" root=0")
