@@ -1037,8 +1037,10 @@ class MPITransport(Transport):
                 f"the MPI library has no datatype for {src.dtype} arrays; native all-reduce supports {known}"
             )
         mpi_op = self._mpi_op(op, src.dtype)
-        if (refusal := self._refusal()) is not None:
-            raise refusal
+        # No look at the abort channel here: the header agreement that runs just before every
+        # native all-reduce took one, and a notice that arrives since fails the request as it waits.
+        if self._closed or self._abort is not None:
+            raise self._stopped()
         send: Any
         if src is dst:
             send = _MPI.IN_PLACE
