@@ -273,9 +273,10 @@ def _reduce_in_rank_order(reduce: np.ufunc, sources: list[np.ndarray]) -> np.nda
     _check_alike(sources)
     if len(sources) == 1:
         return sources[0].copy()
-    result = reduce(sources[0], sources[1])
-    for source in sources[2:]:
-        reduce(result, source, out=result)
+    with np.errstate(all="ignore"):  # IEEE results, never a warning: as MPI's, whatever the rank's numpy settings
+        result = reduce(sources[0], sources[1])
+        for source in sources[2:]:
+            reduce(result, source, out=result)
     return result
 
 

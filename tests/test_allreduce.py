@@ -304,7 +304,7 @@ def test_long_host_names_stay_distinct() -> None:
         np.testing.assert_array_equal(result, np.full(5, 6.0))
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # none from the library's reductions
 @pytest.mark.parametrize(
     ("algorithm", "dtype"),
     [
@@ -340,17 +340,45 @@ def test_allreduce_special_values(algorithm: str, dtype: Any, op: str) -> None:
         segment_bytes=2,
     )
     stack = np.stack([make(r) for r in range(world_size)]).astype(np.float64)
-    expected = {
-        "sum": stack.sum(0),
-        "max": stack.max(0),
-        "min": stack.min(0),
-        "prod": stack.prod(0),
-        "mean": stack.mean(0),
-    }[op]
+    with np.errstate(all="ignore"):
+        expected = {
+            "sum": stack.sum(0),
+            "max": stack.max(0),
+            "min": stack.min(0),
+            "prod": stack.prod(0),
+            "mean": stack.mean(0),
+        }[op]
     got = results[0].astype(np.float64)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
+    assert_identical(results)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("algorithm", ALL_ALGORITHMS)
+@pytest.mark.parametrize("op", ["sum", "prod", "mean"])
+def test_floating_point_exceptions_give_ieee_results_whatever_numpy_settings(algorithm: str, op: str) -> None:
+    """inf - inf, 0 * inf, an overflow and an underflow give IEEE's NaN, inf, zero and subnormals in
+    the reduction, as MPI and NCCL do, on ranks whose numpy raises on floating-point errors and whose
+    warnings are errors: a gradient holding an inf must not fail the collective on one rank and
+    break it on all."""
+    tiny = np.float32(1e-38)  # a subnormal: its half underflows
+    rows = [
+        np.array([np.inf, 3e38, tiny, 0.0, 1.5], np.float32),
+        np.array([-np.inf, 3e38, tiny, np.inf, 2.5], np.float32),
+    ]
+
+    def body(comm: collectives.Communicator) -> np.ndarray:
+        np.seterr(all="raise")  # this rank thread's own setting
+        return comm.allreduce(rows[comm.rank], op=op, algorithm=algorithm)
+
+    results = collectives.run_threads(body, 2)
+    with np.errstate(all="ignore"):
+        ufunc = np.multiply if op == "prod" else np.add
+        expected = ufunc(rows[0], rows[1]) / (2 if op == "mean" else 1)
+    assert np.isnan(expected).any() and np.isinf(expected).any()  # the cases above do arise
+    np.testing.assert_array_equal(results[0], expected)
     assert_identical(results)
 
 

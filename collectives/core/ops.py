@@ -7,6 +7,9 @@ which are already as fast as memory allows for float32/float64/int32/int64; floa
 numba kernels (`_half`) because numpy's float16 arithmetic runs at a few percent of memory speed.
 Float16 is accumulated in float32 and rounded once per step, like NCCL does.
 
+The arithmetic is IEEE's, as in an engine's reduction (`ieee`): an overflow gives inf and
+inf - inf gives NaN, even where the calling thread's numpy settings make that an error.
+
 Device arrays (CuPy) take the same calls: numpy's ufuncs hand them to CuPy (`__array_ufunc__`), so
 the reduction runs on the GPU, on the current stream; float16 goes through CuPy kernels
 (`_half_cuda`) that compute exactly what the numba ones do, so a rank on the host and a rank on a
@@ -89,7 +92,7 @@ def combine(op: ReduceOp, a: Any, b: Any, out: Any) -> None:
 
     The arrays are all numpy or all on one device."""
     if out.dtype != np.float16:
-        _UFUNCS[op](a, b, out=out)
+        ieee(_UFUNCS[op], a, b, out)
     elif is_device(out):
         from collectives.core import _half_cuda  # CuPy's kernels compile on first use
 
@@ -109,6 +112,22 @@ def combine_in_order(op: ReduceOp, rows: Any, out: Any) -> None:
     combine(op, rows[0], rows[1], out)
     for row in rows[2:]:
         combine(op, out, row, out)
+
+
+def ieee(ufunc: np.ufunc, a: Any, b: Any, out: Any) -> None:
+    """`ufunc(a, b, out=out)`, whose IEEE result (inf, NaN, a subnormal) stands, as MPI's and NCCL's
+    does, where the calling thread's numpy settings make a floating-point exception an error.
+
+    Under `np.seterr(all="raise")` or warnings made errors (`pytest -W error`), a gradient holding an
+    inf, as mixed-precision training meets now and then, would otherwise fail the reduction on the
+    rank that met it and break the communicator on every rank. numpy checks the floating-point flags
+    once the whole call has run, so the result is complete when it raises. (`np.errstate` would
+    prevent the raise, but costs 2-4 us per call: 4% of a 64 KiB ring all-reduce over MPI.)
+    """
+    try:
+        ufunc(a, b, out=out)
+    except (FloatingPointError, RuntimeWarning):
+        pass
 
 
 def summing(op: ReduceOp) -> ReduceOp:
@@ -131,7 +150,7 @@ def finalize(op: ReduceOp, buf: Any, contributors: int) -> None:
     if op is not ReduceOp.MEAN or contributors == 1 or buf.size == 0:
         return
     if buf.dtype != np.float16:
-        np.divide(buf, contributors, out=buf)
+        ieee(np.divide, buf, contributors, buf)
     elif is_device(buf):
         from collectives.core import _half_cuda
 
