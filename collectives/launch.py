@@ -208,8 +208,12 @@ class _Rank:
                 pass
 
     def join_output(self) -> None:
-        for reader in self._readers:
+        """Wait for the rest of its output; close each pipe whose end has come (one that a child it
+        left behind still holds open stays with its reader thread)."""
+        for reader, stream in zip(self._readers, (self.process.stdout, self.process.stderr)):
             reader.join(timeout=_STOP_GRACE_SECONDS)
+            if not reader.is_alive() and stream is not None:
+                stream.close()
 
     def ended_by_itself(self) -> bool:
         return self.process.returncode is not None and not self.stopped

@@ -275,6 +275,7 @@ def test_terminated_launcher_stops_its_ranks(tmp_path: Path) -> None:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        launcher.stdout.close()
     deadline = time.monotonic() + 5
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
