@@ -26,6 +26,9 @@ import numpy as np
 from collectives.core.arrays import array_module, ascontiguous, empty, is_device, may_share_memory
 from collectives.core.ops import ReduceOp, check_reduction
 
+_parse_op = ReduceOp.parse
+"""Bound once: looking a classmethod up on an enum class costs more than the call itself."""
+
 
 def reduction_input(x: Any, op: str | ReduceOp) -> tuple[Any, ReduceOp]:
     """`x` as an array and `op` parsed, for all-reduce and reduce-scatter.
@@ -38,10 +41,6 @@ def reduction_input(x: Any, op: str | ReduceOp) -> tuple[Any, ReduceOp]:
     src = _as_array(x)
     check_reduction(op, src.dtype)
     return src, op
-
-
-_parse_op = ReduceOp.parse
-"""Bound once: looking a classmethod up on an enum class costs more than the call itself."""
 
 
 def transfer_input(x: Any) -> Any:
