@@ -106,9 +106,10 @@ def raw_agreed_allreduce(comm: Communicator, op: str) -> RawAllreduce:
     engine = _mpi_engine()
     allreduce = _mpi_allreduce(op)
     agreed = np.empty(2, dtype=np.int64)
+    reduce_op = ReduceOp.parse(op)
 
     def run(src: np.ndarray, out: np.ndarray) -> None:
-        header = collective_header("allreduce", src, algorithm=RAW_AGREED, op=ReduceOp.parse(op))
+        header = collective_header("allreduce", src, algorithm=RAW_AGREED, op=reduce_op)
         mine = header_digests(header)
         engine.Allreduce([mine, MPI.INT64_T], [agreed, MPI.INT64_T], op=MPI.MAX)
         if not digests_agree(mine, agreed):
