@@ -145,9 +145,13 @@ class ThreadFabric:
 
         The last rank to arrive combines every rank's contribution, in rank order, once (with its
         own `combine`: every rank of an engine call passes the same), hands the result to every
-        rank's `receive` and completes every rank's request: one hand-off per rank, where a
-        dissemination takes log2(size) rounds of messages. Should `combine` raise (contributions
-        that do not fit together), every rank's request fails with the reason instead.
+        rank's `receive` and then completes every rank's request: one hand-off per rank, where a
+        dissemination takes log2(size) rounds of messages. Completing a request only after every
+        hand-off keeps a woken rank from taking the GIL while numpy copies the next rank's share
+        (numpy lets it go for the copy) and running its own Python before the others are served:
+        a 4 KiB native all-reduce of 4 ranks back to back took 15-20% less. Should `combine`
+        raise (contributions that do not fit together), every rank's request fails with the
+        reason instead.
         """
         request = LockRequest(_RECV, rank, rank, tag, _MET, what.encode())
         with self._lock:
@@ -170,8 +174,9 @@ class ThreadFabric:
             for peer, (_, waiting, _, _) in arrived.items():
                 waiting._finish(kind(f"rank {peer}: {what} failed on rank {rank}: {error}"))
             return request
-        for _, waiting, _, deliver in arrived.values():
+        for _, _, _, deliver in arrived.values():
             deliver(combined)
+        for _, waiting, _, _ in arrived.values():
             waiting._finish()
         return request
 
