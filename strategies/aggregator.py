@@ -133,7 +133,7 @@ class GradientAggregator:
         if self.comm.size == 1:
             return gradients
         kinds = tuple(_kind(tf, g) for g in gradients)
-        entries = _fingerprint(tf, gradients, variables)
+        entries = _fingerprint(tf, gradients, kinds, variables)
         exchange = self._exchange(tf, gradients, kinds)
         if tf.executing_eagerly():
             return self._aggregate_eagerly(tf, gradients, kinds, entries, exchange)
@@ -179,7 +179,7 @@ class GradientAggregator:
             exchange.collect_all()
             handed_over = {}
         return self._aggregate_eagerly(
-            tf, gradients, kinds, _fingerprint(tf, gradients, variables), current, handed_over
+            tf, gradients, kinds, _fingerprint(tf, gradients, kinds, variables), current, handed_over
         )
 
     # -- tf.function ---------------------------------------------------------------------------
@@ -299,17 +299,24 @@ def _kind(tf, gradient: Any) -> str:
     return SPARSE if isinstance(gradient, tf.IndexedSlices) else DENSE
 
 
-def _fingerprint(tf, gradients: Sequence[Any], variables: Sequence[Any] | None) -> tuple[str, ...]:
+def _fingerprint(
+    tf, gradients: Sequence[Any], kinds: Sequence[str], variables: Sequence[Any] | None
+) -> tuple[str, ...]:
+    """What every rank must agree on before a layout of gradients is first exchanged: each
+    variable's name, shape and dtype (without variables, each gradient's), and whether its gradient
+    is dense, sparse or None. The buckets hold the dense gradients alone, so ranks with None for
+    different variables could make buckets of one size and sum one variable's gradient into
+    another's."""
     if variables is None:
-        return tuple(
-            describe(
-                f"gradient {i}",
-                tuple(g.shape) if g is not None else (),
-                tf.as_dtype(g.dtype).name if g is not None else "none",
-            )
+        described = [
+            describe(f"gradient {i}", (), "none")
+            if g is None
+            else describe(f"gradient {i}", tuple(g.shape), tf.as_dtype(g.dtype).name)
             for i, g in enumerate(gradients)
-        )
-    return tuple(describe(variable_name(v), tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables)
+        ]
+    else:
+        described = [describe(variable_name(v), tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables]
+    return tuple(f"{entry} {kind}" for entry, kind in zip(described, kinds))
 
 
 def variable_name(variable: Any) -> str:

@@ -317,6 +317,27 @@ def test_aggregator_averages_dense_gathers_sparse_and_keeps_none() -> None:
 
 
 @needs_tf
+@pytest.mark.parametrize("with_variables", [True, False])
+def test_ranks_with_none_gradients_for_different_variables_fail_on_every_rank(with_variables: bool) -> None:
+    """Rank 0 has no gradient for `a`, rank 1 none for `b`: the dense buckets would be of one size
+    on both, and rank 0's gradient of `b` would be averaged with rank 1's of `a`."""
+    import tensorflow as tf
+
+    from collectives.strategies import GradientAggregator
+
+    def body(comm: collectives.Communicator) -> str:
+        variables = [tf.Variable(tf.zeros(4), name="a"), tf.Variable(tf.zeros(4), name="b")]
+        gradient = tf.fill([4], float(comm.rank + 1))
+        gradients = [None, gradient] if comm.rank == 0 else [gradient, None]
+        with pytest.raises(MismatchError) as raised:
+            GradientAggregator(comm).aggregate(gradients, variables if with_variables else None)
+        return str(raised.value)
+
+    for message in run_threads(body, 2, timeout=60):
+        assert "none" in message and "dense" in message, message
+
+
+@needs_tf
 def test_eager_hooks_hand_gradients_over_during_backprop(tmp_path: Path) -> None:
     """From the second eager step on, gradients reach the buckets during `tape.gradient`, and the
     first bucket's all-reduce starts before backprop ends."""
