@@ -368,10 +368,14 @@ def _describe(record: np.ndarray) -> str:
 
 
 def _identity(op: ReduceOp, dtype: np.dtype) -> Any:
-    """The value that leaves `op`'s result unchanged: what a joined rank contributes."""
+    """The value that leaves `op`'s result unchanged: what a joined rank contributes. For the
+    max and min of floats that is -inf and +inf, not the largest finite values, which would
+    replace an -inf (+inf) that the ranks with data hold."""
     if op is ReduceOp.PROD:
         return 1
     if op in (ReduceOp.MAX, ReduceOp.MIN):
-        limits = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+        if dtype.kind == "f":
+            return -np.inf if op is ReduceOp.MAX else np.inf
+        limits = np.iinfo(dtype)
         return limits.min if op is ReduceOp.MAX else limits.max
     return 0

@@ -86,6 +86,25 @@ def test_joined_ranks_answer_all_reduces_until_every_rank_joined(batches: tuple[
             np.testing.assert_allclose(got, expected.astype(np.float32), rtol=1e-6, err_msg=f"rank {rank} {op}")
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "auto"])
+@pytest.mark.parametrize("count", [3, 4096])
+def test_joined_ranks_keep_the_infinities_of_a_max_and_a_min(algorithm: str, count: int) -> None:
+    """A joined rank's part in a max (min) of floats leaves an -inf (+inf) of the ranks with data
+    as it is; the largest finite float in its place replaced them."""
+    data = np.resize(np.array([-np.inf, 1.0, np.inf], dtype=np.float32), count)
+
+    def body(comm: collectives.Communicator) -> list[np.ndarray]:
+        results = []
+        if comm.rank == 0:
+            results = [announced_allreduce(comm, data, op, algorithm) for op in ("max", "min")]
+        join(comm)
+        return results
+
+    maximum, minimum = run_threads(body, 2, timeout=20)[0]
+    np.testing.assert_array_equal(maximum, data)
+    np.testing.assert_array_equal(minimum, data)
+
+
 def test_join_compares_the_fingerprints_of_the_ranks_still_training_only() -> None:
     def body(comm: collectives.Communicator) -> int:
         if comm.rank == 1:
