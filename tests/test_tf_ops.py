@@ -213,14 +213,22 @@ def _gradient(rank: int, step: int, variable: int) -> np.ndarray:
     return np.full(_SHAPES[variable], rank + 10.0 * step + 100.0 * variable, _DTYPES[variable])
 
 
-def _tape_steps(comm: collectives.Communicator, steps: int, between: bool) -> tuple[list[dict], int]:
-    """`steps` steps of a bucket exchange (with an `announced_allreduce` after each when `between`),
-    then `join`."""
-    exchange = BucketExchange(
-        comm, plan_buckets(list(zip(_SHAPES, _DTYPES)), bucket_bytes=16), average=True, compressor=Compression.none
-    )
+def _tape_steps(
+    comm: collectives.Communicator, steps: int, between: bool, exchange_per_step: bool = False
+) -> tuple[list[dict], int]:
+    """`steps` steps of a bucket exchange (with an `announced_allreduce` after each when `between`;
+    a new exchange of the same layout for each step when `exchange_per_step`, as a tape wrapper
+    made per step has), then `join`."""
+
+    def new_exchange() -> BucketExchange:
+        buckets = plan_buckets(list(zip(_SHAPES, _DTYPES)), bucket_bytes=16)
+        return BucketExchange(comm, buckets, average=True, compressor=Compression.none)
+
+    exchange = new_exchange()
     results = []
     for step in range(steps):
+        if exchange_per_step:
+            exchange = new_exchange()
         for variable in reversed(range(len(_SHAPES))):
             exchange.deposit(variable, _gradient(comm.rank, step, variable))
         results.append(exchange.collect_all())
@@ -229,13 +237,18 @@ def _tape_steps(comm: collectives.Communicator, steps: int, between: bool) -> tu
     return results, join(comm)
 
 
+@pytest.mark.parametrize("exchange_per_step", [False, True], ids=["one-exchange", "exchange-per-step"])
 @pytest.mark.parametrize("between", [False, True], ids=["steps-only", "allreduce-between-steps"])
 @pytest.mark.parametrize("batches", [(3, 5, 0, 5), (2, 0), (0, 0, 0), (4, 1, 4), (2, 2)])
-def test_joined_ranks_answer_tape_steps(batches: tuple[int, ...], between: bool) -> None:
+def test_joined_ranks_answer_tape_steps(batches: tuple[int, ...], between: bool, exchange_per_step: bool) -> None:
     """Tape steps (bucket exchanges) on uneven data: every rank gets the same gradients, the mean
     over all ranks of the gradients of the ranks that had a batch, whether or not other join-aware
-    collectives run between the steps."""
-    runs = run_threads(lambda comm: _tape_steps(comm, batches[comm.rank], between), len(batches), timeout=30)
+    collectives run between the steps, and whether each step has an exchange of its own."""
+
+    def body(comm: collectives.Communicator) -> tuple[list[dict], int]:
+        return _tape_steps(comm, batches[comm.rank], between, exchange_per_step)
+
+    runs = run_threads(body, len(batches), timeout=30)
     last = max(r for r, count in enumerate(batches) if count == max(batches))
     for rank, (results, last_joined) in enumerate(runs):
         assert last_joined == last
