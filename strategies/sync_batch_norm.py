@@ -1,13 +1,17 @@
 """`SyncBatchNormalization`: batch normalization over the global batch, as Horovod's.
 
 With small per-rank batches the batch statistics of one rank are noisy; this layer normalizes with
-the mean and variance of the whole global batch instead. In training each rank sums its inputs,
-their squares and their count per channel, and one all-reduce (sum) of the three gives the global
-statistics: mean = S / N, variance = Q / N - mean^2. Counts travel with the sums, so ranks may hold
-batches of different sizes, even empty ones. The all-reduce has a gradient (`ops.allreduce`), so
-backprop through the statistics reaches every rank's inputs as it would in one process on the
-global batch. Inference uses the moving statistics, updated from the global ones, and
-communicates nothing.
+the mean and variance of the whole global batch instead. In training each rank sums its inputs
+and their count per channel, and an all-reduce (sum) of the two gives the global mean = S / N;
+each rank then sums the squared deviations of its inputs from that mean, and a second all-reduce
+gives the variance = D / N. This is how one process computes them (`tf.nn.moments`): the one-pass
+Q / N - mean^2 that Horovod and Keras's synchronized layer use cancels in float32 for inputs whose
+mean is large against their spread (a mean of 1000 and a spread of 1 gave variances up to 32%
+off; at 1e4, 0 or 32 instead of about 1). Counts travel with the sums, so ranks may hold batches
+of different sizes, even empty ones. The all-reduce has a gradient (`ops.allreduce`), so backprop
+through the statistics reaches every rank's inputs as it would in one process on the global
+batch. Inference uses the moving statistics, updated from the global ones, and communicates
+nothing.
 """
 
 from __future__ import annotations
@@ -48,14 +52,11 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         else:
             weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(inputs)), inputs.dtype)
         local = tf.stack(
-            [
-                tf.reduce_sum(inputs * weights, axes),
-                tf.reduce_sum(tf.square(inputs) * weights, axes),
-                tf.reduce_sum(weights, axes),
-            ]
+            [tf.reduce_sum(inputs * weights, axes, keepdims=True), tf.reduce_sum(weights, axes, keepdims=True)]
         )
-        total, total_squares, count = tf.unstack(allreduce(local, "sum", self._comm))
+        total, count = tf.unstack(allreduce(local, "sum", self._comm))
         count = tf.maximum(count, 1.0)  # no data anywhere: zeros rather than NaN
-        mean = total / count
-        variance = tf.maximum(total_squares / count - tf.square(mean), 0.0)
-        return mean, variance
+        mean = total / count  # the input's rank, 1 along the reduced axes: it broadcasts against the input
+        deviations = tf.reduce_sum(tf.square(inputs - mean) * weights, axes, keepdims=True)
+        variance = allreduce(deviations, "sum", self._comm) / count
+        return tf.reshape(mean, [-1]), tf.reshape(variance, [-1])

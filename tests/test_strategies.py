@@ -338,6 +338,35 @@ def test_ranks_with_none_gradients_for_different_variables_fail_on_every_rank(wi
 
 
 @needs_tf
+@pytest.mark.parametrize("offset", [0.0, 1e3, 1e4])
+def test_sync_batch_norm_variance_holds_for_inputs_far_from_zero(offset: float) -> None:
+    """The global batch statistics of inputs whose mean is large against their spread: the
+    float64 reference's, as one process's BatchNormalization gets them (a one-pass E[x^2] -
+    E[x]^2 in float32 was up to 32% off at a mean of 1000, and 0 or 32 at 1e4)."""
+    import tensorflow as tf
+
+    from collectives.strategies import SyncBatchNormalization
+
+    rng = np.random.default_rng(7)
+    batches = [(offset + rng.standard_normal((n, 4))).astype(np.float32) for n in (24, 40)]
+    every = np.concatenate(batches).astype(np.float64)
+
+    def body(comm: collectives.Communicator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        layer = SyncBatchNormalization(momentum=0.0, comm=comm)
+        out = layer(tf.constant(batches[comm.rank]), training=True)
+        return out.numpy(), layer.moving_mean.numpy(), layer.moving_variance.numpy()
+
+    results = run_threads(body, 2, timeout=60)
+    for rank, (out, mean, variance) in enumerate(results):
+        np.testing.assert_allclose(mean, every.mean(axis=0), rtol=1e-6)
+        np.testing.assert_allclose(variance, every.var(axis=0), rtol=1e-3)
+        expected = (batches[rank] - every.mean(axis=0)) / np.sqrt(every.var(axis=0) + 1e-3)
+        resolution = 4 * float(np.spacing(np.float32(offset)))  # of float32 inputs, and of Keras's x * a + b
+        np.testing.assert_allclose(out, expected, rtol=1e-3, atol=max(1e-3, resolution))
+    np.testing.assert_array_equal(results[0][2], results[1][2])
+
+
+@needs_tf
 def test_eager_hooks_hand_gradients_over_during_backprop(tmp_path: Path) -> None:
     """From the second eager step on, gradients reach the buckets during `tape.gradient`, and the
     first bucket's all-reduce starts before backprop ends."""
