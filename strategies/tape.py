@@ -106,12 +106,18 @@ class DistributedGradientTape:
             raise AttributeError(name)
         return getattr(self._tape, name)
 
-    def gradient(self, target: Any, sources: Sequence[Any], output_gradients: Any = None, **kwargs: Any) -> list[Any]:
-        """The gradients of `target` with respect to `sources`, aggregated across ranks."""
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None, **kwargs: Any) -> Any:
+        """The gradients of `target` with respect to `sources`, aggregated across ranks, in the
+        structure of `sources`: one variable, a list, a dict or any nest, as
+        `tf.GradientTape.gradient` takes them."""
         tf = tensorflow()
         if self._tape is None:
             raise RuntimeError("nothing was recorded: use the wrapper as `with tape:` or pass a recorded tape")
-        sources = list(sources)
+        flat = tf.nest.flatten(sources)
+        return tf.nest.pack_sequence_as(sources, self._aggregated(tf, target, flat, output_gradients, **kwargs))
+
+    def _aggregated(self, tf, target: Any, sources: list[Any], output_gradients: Any, **kwargs: Any) -> list[Any]:
+        """`gradient` for a flat list of sources."""
         if not tf.executing_eagerly():
             return self._gradient_in_graph(tf, target, sources, output_gradients, **kwargs)
         start = time.perf_counter()

@@ -367,6 +367,33 @@ def test_sync_batch_norm_variance_holds_for_inputs_far_from_zero(offset: float) 
 
 
 @needs_tf
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_tape_gradient_takes_sources_in_any_structure(graph: bool) -> None:
+    """One variable, a list and a dict of them, as tf.GradientTape.gradient takes: the gradients
+    come back averaged over the ranks, in the sources' structure."""
+    import tensorflow as tf
+
+    from collectives.strategies import DistributedGradientTape
+
+    def body(comm: collectives.Communicator) -> list:
+        a, b = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+
+        def gradients(sources):
+            with DistributedGradientTape(comm=comm) as tape:
+                loss = (comm.rank + 1.0) * (tf.reduce_sum(a) + 2.0 * b)
+            return tape.gradient(loss, sources)
+
+        run = tf.function(gradients) if graph else gradients
+        return [run(a), run([a, b]), run({"b": b, "a": a})]
+
+    for single, listed, named in run_threads(body, 2, timeout=60):
+        np.testing.assert_array_equal(single.numpy(), [1.5, 1.5])
+        assert isinstance(listed, list) and float(listed[1]) == 3.0
+        np.testing.assert_array_equal(listed[0].numpy(), [1.5, 1.5])
+        assert sorted(named) == ["a", "b"] and float(named["b"]) == 3.0
+
+
+@needs_tf
 def test_eager_hooks_hand_gradients_over_during_backprop(tmp_path: Path) -> None:
     """From the second eager step on, gradients reach the buckets during `tape.gradient`, and the
     first bucket's all-reduce starts before backprop ends."""
