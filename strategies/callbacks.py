@@ -112,7 +112,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     keeps the step per sample as with one rank, but a large rate right from the start can
     diverge; the warm-up reaches it gradually. As Horovod's: at batch `b` of epoch `e` the rate is
     `initial_lr / size * (1 + (e + (b + 1) / steps_per_epoch) * (size - 1) / warmup_epochs)`, so
-    the last batch of the warm-up uses `initial_lr`; after the warm-up the rate is left alone.
+    the last batch of the warm-up uses `initial_lr`; after the warm-up the rate is left alone. A
+    fractional `warmup_epochs` ends inside an epoch: its last batch that starts before the end
+    uses `initial_lr`, never more.
 
     Args:
         warmup_epochs: epochs the ramp lasts.
@@ -145,11 +147,17 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
 
     def learning_rate(self, epoch: int, batch: int) -> float:
         """The rate for batch `batch` (from 0) of epoch `epoch` (from 0) during the warm-up."""
-        if self.initial_lr is None or self.steps_per_epoch is None:
-            raise RuntimeError("the warm-up starts with training: initial_lr and steps_per_epoch are not known yet")
+        if self.initial_lr is None:
+            raise RuntimeError("the warm-up starts with training: initial_lr is not known yet")
         size = communicator(self._comm).size
-        progress = epoch + (batch + 1) / self.steps_per_epoch
+        # a fractional warm-up ends inside an epoch: no batch goes past its end
+        progress = min(epoch + (batch + 1) / self._steps(), self.warmup_epochs)
         return self.initial_lr / size * (1 + progress * (size - 1) / self.warmup_epochs)
+
+    def _steps(self) -> int:
+        if self.steps_per_epoch is None:
+            raise RuntimeError("the warm-up starts with training: steps_per_epoch is not known yet")
+        return self.steps_per_epoch
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self.initial_lr is None:  # (an optimizer built on a LearningRateSchedule refuses the rates set below)
@@ -163,7 +171,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._epoch < self.warmup_epochs:
+        if self._epoch + batch / self._steps() < self.warmup_epochs:  # the batch starts inside the warm-up
             self.model.optimizer.learning_rate = self.learning_rate(self._epoch, batch)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

@@ -170,6 +170,29 @@ def test_learning_rate_warmup_ramps_per_batch_from_lr_over_size_to_lr() -> None:
         assert rates[steps * warmup_epochs - 1] == pytest.approx(0.8)
 
 
+def test_a_fractional_learning_rate_warmup_stops_at_the_rate_it_ramps_to() -> None:
+    """1.5 epochs of 4 batches: the ramp reaches the rate at batch 1 of epoch 1 and leaves it there
+    (it went on rising to the end of that epoch, and stayed above the rate for good)."""
+    import keras
+
+    from collectives.strategies import LearningRateWarmupCallback
+
+    size, steps = 2, 4
+
+    def body(comm: collectives.Communicator) -> list[float]:
+        model = small_model(comm.rank)
+        model.compile(optimizer=keras.optimizers.SGD(0.8), loss="mse", run_eagerly=True)
+        rates: list[float] = []
+        callbacks = [LearningRateWarmupCallback(1.5, comm=comm), record_logs(rates, "batch")]
+        x, y = rank_data(comm.rank, samples=steps * 2)
+        model.fit(x, y, batch_size=2, epochs=3, verbose=0, callbacks=callbacks)
+        return rates
+
+    ramp = [0.8 / size * (1 + progress * (size - 1) / 1.5) for progress in (0.25, 0.5, 0.75, 1.0, 1.25)]
+    for rates in run_threads(body, size, timeout=60):
+        assert rates == pytest.approx([*ramp, *[0.8] * 7], rel=1e-6)
+
+
 def test_learning_rate_warmup_refuses_bad_arguments() -> None:
     from collectives.strategies import LearningRateWarmupCallback
 
