@@ -277,6 +277,39 @@ def test_strangers_flooding_a_rank_cannot_make_it_hold_memory(tmp_path: Path) ->
     assert any(r["scenario"] == "busy" and r["rounds"] > 0 for r in busy), world.report()
 
 
+def test_strangers_opening_calls_they_never_end_cannot_make_a_rank_hold_memory(tmp_path: Path) -> None:
+    """20 raw HTTP/2 connections, each opening 1000 Stream calls with 15 KB of metadata and never
+    ending them, without the secret, while two ranks run checked all-reduces: the attacked rank
+    grows by less than 100 MB (with no bound on calls per connection or on connections it grew by
+    240 MB, and more with every round) and the job finishes right."""
+    stop_file = tmp_path / "stop"
+    env = {"WORKER_BUSY_UNTIL": str(stop_file), "WORKER_BUSY_SECONDS": "240", "WORKER_TIMEOUT": "60"}
+    with World(SCRIPTS / "worker.py", 2, ["busy"], env=env) as world:
+        victim = world.processes[1]
+        assert victim is not None
+        wait_listening(int(world.addresses[1].rsplit(":", 1)[1]))
+        time.sleep(2.0)  # start-up done, all-reduces running: the baseline includes their buffers
+        before = RssWatch(victim.pid)
+        time.sleep(1.0)
+        baseline = before.stop()
+        watch = RssWatch(victim.pid)
+        attacker = start_script("attack_streams.py", world.addresses[1], "20", "1000", "20")
+        try:
+            out = stop_script(attacker, timeout=120)
+        finally:
+            kill_script(attacker)
+        time.sleep(1.0)
+        peak = watch.stop()
+        stop_file.write_text("")
+        codes = world.wait(120)
+    assert codes == [0, 0], world.report()
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    growth = peak - baseline
+    print(f"RSS growth of the attacked rank: {growth / MIB:.1f} MiB; attack: {result}")
+    assert result["streams"] > 1000, result  # the attack did run
+    assert growth < 100 * 10**6, f"the attacked rank grew by {growth / MIB:.0f} MiB: {result}"
+
+
 # -- 3. byte limits an insider cannot get around ---------------------------------------------------------
 
 
