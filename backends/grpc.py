@@ -209,9 +209,12 @@ DEFAULT_MAX_UNMATCHED_BYTES = 256 * 1024 * 1024
 DEFAULT_STARTUP_TIMEOUT = 60.0
 ABORT_DEADLINE = 2.0
 """Seconds an abort notice may take to reach a peer; it is fire and forget."""
-MESSAGE_OVERHEAD_BYTES = 256
+MESSAGE_OVERHEAD_BYTES = 1536
 """Charged per unmatched message on top of its frames and header, so that floods of empty
-messages are bounded by `max_unmatched_bytes` too."""
+messages are bounded by `max_unmatched_bytes` too: its `_Incoming` and list of parts, and the
+matcher's queue for its (source, tag), which a message on a tag of its own has alone (1490 bytes
+of Python objects per empty message on distinct tags, 623 on one tag, with its frame; 256 let an
+insider make a rank hold 3.4 times the limit)."""
 FRAME_OVERHEAD_BYTES = 160
 """Charged per held frame on top of its bytes: the Python objects that keep it (so a message cut
 into tiny frames is bounded too)."""

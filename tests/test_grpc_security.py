@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -360,6 +361,32 @@ def test_headers_count_against_the_limit(victim_and_insiders: tuple[Any, list[st
     _, held = victim._matcher.counts()
     assert 0 < held * len(header) <= limit, f"{held} messages of {len(header)}-byte headers held"
     assert victim._unmatched_bytes[2] >= held * 2 * len(header)  # counted: in the frame and the copy
+
+
+def test_holding_messages_costs_no_more_memory_than_is_charged(
+    victim_and_insiders: tuple[Any, list[str], bytes],
+) -> None:
+    """2000 empty messages, each on a tag of its own (the costliest to hold: a queue per tag):
+    the Python memory rank 0 keeps for them is within what it charges against the sender's limit
+    (it kept 3.4 times as much when a message was charged 256 bytes)."""
+    from intruder import frame, send_frames
+
+    victim, addresses, secret = victim_and_insiders
+    count = 2000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        offered = (frame(n, n, b"", H) for n in range(1, count + 1))
+        assert send_frames(addresses[0], 1, 3, secret, offered, timeout=20) == "OK"
+        deadline = time.monotonic() + 10
+        while victim._matcher.counts()[1] < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert victim._matcher.counts()[1] == count
+    charged = victim._unmatched_bytes[1]
+    assert kept <= charged <= 4 * MIB, f"{count} messages keep {kept} bytes, {charged} charged"
 
 
 # -- 4. no secret --------------------------------------------------------------------------------------------
