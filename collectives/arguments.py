@@ -93,6 +93,8 @@ def output_buffers(out: Any, shape: tuple[int, ...], dtype: np.dtype, like: Any 
         )
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out is read-only")
+    if out is not like and type(like) is np.ndarray and out.shape == like.shape:
+        _check_no_partial_overlap(out, like)
     if out.flags.c_contiguous:
         return out, _one_dimensional(out)
     return out, empty(out.size, dtype, out)
@@ -172,6 +174,19 @@ def _as_array(x: Any) -> Any:
     if hasattr(x, "__array__") or isinstance(x, (int, float, list, tuple)):
         return np.asarray(x)
     raise TypeError(f"expected a numpy or CuPy array (or array-like), got {type(x).__name__}")
+
+
+def _check_no_partial_overlap(out: np.ndarray, like: np.ndarray) -> None:
+    """Raise ValueError where `out` shares memory with the input `like` of its shape without
+    being it: the algorithms write a rank's result while they still read its input, so such an
+    `out` got wrong elements (a ring all-reduce of buf[:24] into buf[1:], a broadcast whose root
+    sent what `out` held). `out=x`, or another view of exactly x's memory, works in place."""
+    if not np.may_share_memory(out, like):
+        return
+    start = out.__array_interface__["data"][0]
+    in_place = out.strides == like.strides and start == like.__array_interface__["data"][0]
+    if not in_place:
+        raise ValueError("out overlaps the input without being it; pass out=x to work in place, or an array of its own")
 
 
 def _check_out_place(out: Any, like: Any) -> None:

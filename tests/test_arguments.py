@@ -139,6 +139,23 @@ def test_output_buffers_rejects_read_only_out() -> None:
         output_buffers(out, (4,), out.dtype)
 
 
+def test_output_buffers_refuse_an_out_that_overlaps_the_input_without_being_it() -> None:
+    """A ring all-reduce of buf[:24] into buf[1:] got a wrong element and a broadcast into such an
+    out sent stale values; out=x, or another view of exactly x's memory, is in place."""
+    buf = np.arange(25.0)
+    for out, like in ((buf[1:], buf[:24]), (buf[::-1][13:], buf[:12]), (buf[:24:2], buf[1:25:2][::-1])):
+        with pytest.raises(ValueError, match="overlaps the input"):
+            output_buffers(out, like.shape, like.dtype, like)
+    x = np.arange(8.0)
+    for same in (x, x[:], x.reshape(2, 4).reshape(8)):
+        result, target = output_buffers(same, x.shape, x.dtype, x)
+        assert result is same and np.shares_memory(target, x)
+    read_only = x[:]
+    read_only.setflags(write=False)
+    assert output_buffers(x, x.shape, x.dtype, read_only)[0] is x  # the input may be a read-only view of out
+    output_buffers(np.arange(24.0)[::2], (12,), x.dtype, buf[:12])  # no overlap, strided
+
+
 def test_flat_view_copies_only_what_is_not_contiguous() -> None:
     x = np.arange(12.0).reshape(3, 4)
     assert np.shares_memory(flat_view(x), x) and flat_view(x).shape == (12,)

@@ -189,6 +189,19 @@ def test_broadcast_every_root(world_size: int, root: int) -> None:
     assert not np.isnan(per_rank[0][0][0]).any()
 
 
+@pytest.mark.parametrize("collective", ["allreduce", "broadcast"])
+def test_a_partly_overlapping_out_fails_on_every_rank_and_changes_nothing(collective: str) -> None:
+    def body(comm: collectives.Communicator) -> np.ndarray:
+        buf = np.arange(25.0) + comm.rank
+        run = getattr(comm, collective)
+        with pytest.raises(ValueError, match="overlaps the input"):
+            run(buf[:24], out=buf[1:])
+        return buf
+
+    for rank, buf in enumerate(collectives.run_threads(body, 3, timeout=20)):
+        np.testing.assert_array_equal(buf, np.arange(25.0) + rank)
+
+
 @pytest.mark.parametrize("world_size", [1, 3, 6])
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
 def test_broadcast_in_place(world_size: int, contiguous: bool) -> None:
