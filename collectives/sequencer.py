@@ -209,11 +209,15 @@ class Sequencer:
             CommunicatorBrokenError: an earlier collective failed, or `close()` was called.
             ConcurrentUseError: another thread is inside a blocking call (the communicator is then
                 broken on every rank).
+            RuntimeError: called on the communication thread while collectives are queued
+                (`_waiting_for_itself`).
             Whatever the collective raised (it breaks the communicator).
         """
         caller = threading.get_ident()
         work = None
         with self._submit_lock:
+            if self._thread is not None and caller == self._thread.ident and self._last_submitted >= self._next_to_run:
+                raise self._waiting_for_itself(header)
             seq = self._next_seq(header)
             self._caller = caller
             if seq != self._next_to_run:
@@ -225,6 +229,17 @@ class Sequencer:
             return work.result()
         finally:
             self._caller = None
+
+    def _waiting_for_itself(self, header: bytes) -> RuntimeError:
+        """A blocking call on the communication thread (from a `Work`'s done-callback) while
+        collectives are queued there: it would be queued behind them and wait, on the one thread
+        that runs them, for ever. Refused before it takes a place in the call order, so the
+        communicator stays usable."""
+        return RuntimeError(
+            f"rank {self._transport.rank}: {header.decode(errors='replace')} was called on the "
+            f"communication thread (from a callback of an asynchronous collective) while collectives "
+            f"are queued there; it would wait for itself: use the *_async form in callbacks"
+        )
 
     def _next_seq(self, header: bytes) -> int:
         """The next collective's place in the call order (lock held), unless no call may be made now."""
@@ -249,11 +264,30 @@ class Sequencer:
         _OPEN.pop(self._made, None)
         if thread is not None:
             self._queue.put(None)
-            thread.join()
+            self._join(thread)
         if self._broken is None:  # a broken one has told its peers already (`_break`)
             first_never_started = collective_tags((self._last_submitted + 1) % _TAG_WRAP, "the collective not started")
             self._transport.leaving(first_never_started.start)
         self._transport.close()
+
+    def _join(self, thread: threading.Thread) -> None:
+        """Wait for the communication thread to finish the queued collectives, for as long as it
+        makes progress (each collective is bounded by the timeout). One that ran no collective
+        for longer than that is stuck outside them (in a `Work`'s done-callback that blocks): it is
+        left behind, with an error logged, rather than hanging `close`."""
+        while True:
+            started = self._next_to_run
+            thread.join(self.timeout + 1.0)
+            if not thread.is_alive():
+                return
+            if self._next_to_run == started:
+                log.error(
+                    "rank %d: the communication thread ran no collective for %g s (blocked in a "
+                    "callback of an asynchronous collective?); closing without waiting for it",
+                    self._transport.rank,
+                    self.timeout + 1.0,
+                )
+                return
 
     def _enqueue(self, task: _Task) -> None:
         """Hand `task` to the communication thread, starting it for the first one."""

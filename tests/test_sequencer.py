@@ -146,6 +146,33 @@ def test_blocking_call_behind_a_queued_one_waits_its_turn(lone: Sequencer) -> No
     assert pending.done() and order == ["first", "second"]
 
 
+def test_a_blocking_call_in_a_work_callback_is_refused_while_collectives_are_queued(lone: Sequencer) -> None:
+    """A done-callback runs on the communication thread: a blocking collective there, with
+    another one queued behind the finished one, would wait for itself for ever. It is refused at
+    once, taking no place in the call order, and the sequencer goes on; with nothing queued it
+    runs there."""
+    release = threading.Event()
+    outcomes: list[str] = []
+
+    def blocking_call(_: object) -> None:
+        try:
+            outcomes.append(lone.call(b"from a callback", lambda group: "ran"))
+        except RuntimeError as error:
+            outcomes.append(str(error))
+
+    first = lone.submit(b"first", lambda group: release.wait(TIMEOUT))
+    first.add_done_callback(blocking_call)  # first is still running: the callback comes on its thread
+    second = lone.submit(b"second", lambda group: "second")
+    release.set()
+    assert second.wait(TIMEOUT) == "second"
+    assert "would wait for itself" in outcomes[0] and "_async" in outcomes[0], outcomes
+    alone = lone.submit(b"alone", lambda group: release.wait(TIMEOUT))
+    alone.add_done_callback(blocking_call)
+    alone.wait(TIMEOUT)
+    assert outcomes[1:] == ["ran"]
+    assert lone.call(b"later", lambda group: "later") == "later"
+
+
 # -- broken state --------------------------------------------------------------------------------
 
 
