@@ -19,6 +19,7 @@ The backend's module is imported only when chosen, so a missing optional depende
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -63,12 +64,33 @@ def detect_backend(environ: Mapping[str, str]) -> str | None:
 
 
 def _launched_by(environ: Mapping[str, str]) -> str | None:
-    """The host transport the launch provides ("mpi", "grpc"), or None for a single process."""
+    """The host transport the launch provides ("mpi", "grpc"), or None for a single process.
+
+    The library's own variables come first, any of them (the launcher's ranks inherit PMI
+    variables where the launcher itself runs under srun or mpiexec; a rank and size without
+    addresses must fail saying what is missing, not train alone). Then an MPI launch, then a
+    TF_CONFIG that describes a cluster: an empty one, "{}" or one without a cluster is a single
+    process, as TensorFlow takes it.
+    """
+    if any(environ.get(name) for name in (ENV_ADDRESSES, ENV_RANK, ENV_WORLD_SIZE)):
+        return "grpc"
     if any(name in environ for name in _MPI_LAUNCH_VARIABLES):
         return "mpi"
-    if "TF_CONFIG" in environ or ENV_ADDRESSES in environ:
+    if _describes_cluster(environ.get("TF_CONFIG", "")):
         return "grpc"
     return None
+
+
+def _describes_cluster(tf_config: str) -> bool:
+    """Whether a TF_CONFIG value names a cluster. Malformed JSON counts, so that `init()` says
+    what is wrong with it."""
+    if not tf_config.strip():
+        return False
+    try:
+        config = json.loads(tf_config)
+    except ValueError:
+        return True
+    return not isinstance(config, dict) or bool(config.get("cluster"))
 
 
 def init(

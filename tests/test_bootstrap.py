@@ -17,14 +17,31 @@ from collectives import bootstrap
         ({}, None),
         ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpi"),  # MPICH / hydra
         ({"OMPI_COMM_WORLD_RANK": "1"}, "mpi"),  # Open MPI
-        ({"TF_CONFIG": "{}"}, "grpc"),
+        ({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:2"]}}'}, "grpc"),
+        ({"TF_CONFIG": "not json"}, "grpc"),  # init() then says what is wrong with it
+        ({"TF_CONFIG": ""}, None),  # TensorFlow's single process
+        ({"TF_CONFIG": "{}"}, None),
+        ({"TF_CONFIG": '{"task": {"type": "worker", "index": 0}}'}, None),
         ({"COLLECTIVES_ADDRESSES": "127.0.0.1:1"}, "grpc"),
+        ({"COLLECTIVES_RANK": "1", "COLLECTIVES_WORLD_SIZE": "2"}, "grpc"),  # not a world of one
+        ({"COLLECTIVES_ADDRESSES": "127.0.0.1:1", "PMI_RANK": "0"}, "grpc"),  # the launcher under srun
         ({"COLLECTIVES_BACKEND": "mpi", "TF_CONFIG": "{}"}, "mpi"),  # the explicit choice wins
     ],
 )
 def test_detect_backend(environ: dict[str, str], expected: str | None) -> None:
-    """An MPI launch, TF_CONFIG or the launcher's variables each select their backend."""
+    """An MPI launch, a TF_CONFIG describing a cluster or any of the launcher's variables each
+    select their backend."""
     assert bootstrap.detect_backend(environ) == expected
+
+
+def test_a_rank_and_size_without_addresses_fail_saying_what_is_missing(monkeypatch) -> None:
+    """They made a world of one that trained alone, with no error."""
+    for name in ("COLLECTIVES_BACKEND", "COLLECTIVES_ADDRESSES", "TF_CONFIG", "PMI_RANK", "PMI_SIZE", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLLECTIVES_RANK", "1")
+    monkeypatch.setenv("COLLECTIVES_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="COLLECTIVES_ADDRESSES"):
+        collectives.init(timeout=5)
 
 
 def test_unknown_backend_is_refused() -> None:
