@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
-from collectives.backends._grpc_config import ENV_REUSE_PORT
+from collectives.backends._grpc_config import ENV_BIND, ENV_REUSE_PORT
 from collectives.backends.base import ENV_RANKS_PER_NODE
 from collectives.bootstrap import ENV_ADDRESSES, ENV_BACKEND, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
 
@@ -446,13 +446,16 @@ def grpc_rank_environments(
 ) -> list[dict[str, str]]:
     """The environment of each gRPC rank of a job whose rank r listens on `addresses[r]`.
 
-    `base` (default: this process's environment) plus what `collectives.init()` reads: the backend
-    ("grpc", or "nccl" over gRPC), the rank, the world size, every address and one fresh shared
-    secret for the whole job, and the emulated node size if given; LOCAL_RANK (the rank: every rank
-    runs on this machine) picks a rank's GPU. Unbuffered output, so that prefixed lines arrive as
-    printed.
+    `base` (default: this process's environment) less COLLECTIVES_BIND, plus what
+    `collectives.init()` reads: the backend ("grpc", or "nccl" over gRPC), the rank, the world
+    size, every address and one fresh shared secret for the whole job, and the emulated node size
+    if given; LOCAL_RANK (the rank: every rank runs on this machine) picks a rank's GPU.
+    Unbuffered output, so that prefixed lines arrive as printed.
     """
     shared = dict(os.environ if base is None else base)
+    # each rank listens on its own address: an inherited bind address (a pod's) would put every
+    # rank on one port, and each would wait out its start-up timeout for the others
+    shared.pop(ENV_BIND, None)
     shared.update(
         {
             "PYTHONUNBUFFERED": "1",

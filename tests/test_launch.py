@@ -346,3 +346,17 @@ def test_nccl_ranks_get_the_grpc_environment_naming_nccl_and_their_local_rank() 
         ("nccl", "1", "1"),
     ]
     assert environments[0]["COLLECTIVES_SECRET"] == environments[1]["COLLECTIVES_SECRET"]
+
+
+def test_ranks_do_not_inherit_a_bind_address_but_keep_the_rest() -> None:
+    """An inherited COLLECTIVES_BIND (a pod's) put every launched rank on one port, and each waited
+    out its start-up timeout for the others; the launcher's own variables also win over PMI
+    variables inherited from an srun or mpiexec around the launcher."""
+    from collectives.bootstrap import detect_backend
+    from collectives.launch import grpc_rank_environments
+
+    base = {"COLLECTIVES_BIND": "127.0.0.1:45200", "PMI_RANK": "0", "PMI_SIZE": "1", "HOME": "/home/x"}
+    for env in grpc_rank_environments(["127.0.0.1:1", "127.0.0.1:2"], base=base, backend="nccl"):
+        assert "COLLECTIVES_BIND" not in env and env["HOME"] == "/home/x"
+        del env["COLLECTIVES_BACKEND"]  # what nccl's control transport is chosen by
+        assert detect_backend(env) == "grpc"
