@@ -150,7 +150,11 @@ def _drop_closed_output(target: IO[str]) -> None:
 class _Rank:
     """One started process, the tail of its output, and when it failed."""
 
-    def __init__(self, label: str, command: Sequence[str], env: dict[str, str], lock: threading.Lock):
+    def __init__(
+        self, label: str, command: Sequence[str], env: dict[str, str], lock: threading.Lock, started: list[_Rank]
+    ):
+        """Start `command`; the rank joins `started` as soon as its process exists, so that a signal
+        arriving while the next line runs still finds it to stop."""
         self.label = label
         self.last_lines: collections.deque[str] = collections.deque(maxlen=_LAST_LINES)
         self.first_error_at: float | None = None
@@ -159,6 +163,7 @@ class _Rank:
         """When it was seen to have exited (monotonic)."""
         self.stopped = False
         """Whether the launcher signalled it while it ran (its exit code is then the launcher's doing)."""
+        self._readers: list[threading.Thread] = []
         self.process = subprocess.Popen(
             command,
             env=env,
@@ -167,12 +172,11 @@ class _Rank:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group, so we can stop it and its children
         )
-        self._readers = [
-            threading.Thread(target=self._forward, args=(stream, target, lock), daemon=True)
-            for stream, target in ((self.process.stdout, sys.stdout), (self.process.stderr, sys.stderr))
-        ]
-        for reader in self._readers:
+        started.append(self)
+        for stream, target in ((self.process.stdout, sys.stdout), (self.process.stderr, sys.stderr)):
+            reader = threading.Thread(target=self._forward, args=(stream, target, lock), daemon=True)
             reader.start()
+            self._readers.append(reader)
 
     def _forward(self, stream: IO[bytes], target: IO[str], lock: threading.Lock) -> None:
         """Pass each whole line of `stream` on to `target`, prefixed (a line is only written once
@@ -220,71 +224,81 @@ class _Rank:
 
 
 class _Terminated(Exception):
-    """The launcher itself was asked to stop (SIGTERM, SIGHUP), e.g. by a batch system."""
+    """The launcher itself was asked to stop: Ctrl-C, a batch system's SIGTERM, a closed
+    terminal's SIGHUP."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
 
-def _raise_terminated(signum: int, _frame: object) -> None:
-    raise _Terminated(signum)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_if_asked(received: list[int]) -> None:
+    """Act on the first stop signal received, if any. The handlers only note signals: one that
+    raised inside `subprocess.Popen` left the rank being started running on its own, with nobody
+    to stop it."""
+    if received:
+        raise _Terminated(received[0])
 
 
 def run_ranks(jobs: Sequence[tuple[str, Sequence[str], Mapping[str, str]]], timeout: float | None = None) -> int:
     """Start every (label, command, environment) job, forward its output prefixed with `label`,
     and wait for all; on the first failure, after `timeout` seconds, on Ctrl-C, SIGTERM or SIGHUP,
-    or on any exception, stop every job still running. Returns the exit code. Call it from the
-    main thread (it sets signal handlers while it waits).
+    or on any exception, stop every job still running. Returns the exit code (128 + the signal's
+    number when the launcher was asked to stop). Call it from the main thread (it sets signal
+    handlers while it runs).
 
     Other tools that place ranks themselves (in network namespaces, say) reuse this supervision.
+
+    The handlers are in place from before the first rank starts until the last one is stopped: a
+    batch system's SIGTERM during start-up left the ranks already started running on their own.
     """
     lock = threading.Lock()
     ranks: list[_Rank] = []
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in _STOP_SIGNALS}
     try:
         for label, command, env in jobs:
-            ranks.append(_Rank(label, command, dict(env), lock))
-        return _supervise(ranks, timeout)
-    except BaseException:
-        _stop_all(ranks)
-        raise
-
-
-def _supervise(ranks: list[_Rank], timeout: float | None = None) -> int:
-    """Wait for every rank; on the first failure, at `timeout`, on an interrupt or a termination
-    signal stop the rest. Returns the exit code."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    previous = {sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        while True:
-            codes = [rank.poll() for rank in ranks]  # poll all: collects every exit
-            failed = next((r for r, code in zip(ranks, codes) if code not in (None, 0)), None)
-            if failed is not None or None not in codes:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                _stop_all(ranks)
-                print(
-                    f"collectives.launch: the job did not finish within {timeout:g} s; stopped every rank",
-                    file=sys.stderr,
-                )
-                return 124
-            time.sleep(0.05)
-        if failed is not None:
-            _let_the_others_fail(ranks)
-    except KeyboardInterrupt:
-        _stop_all(ranks)
-        return 130
+            _Rank(label, command, dict(env), lock, ranks)  # joins `ranks` as soon as its process exists
+            _raise_if_asked(received)
+        return _supervise(ranks, received, timeout)
     except _Terminated as stop:
-        _stop_all(ranks)
+        _stop_all(ranks, received)
         return 128 + stop.signum
+    except BaseException:
+        _stop_all(ranks, received)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _supervise(ranks: list[_Rank], received: list[int], timeout: float | None = None) -> int:
+    """Wait for every rank; on the first failure or at `timeout` stop the rest; a stop signal in
+    `received` raises `_Terminated`. Returns the exit code."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        _raise_if_asked(received)
+        codes = [rank.poll() for rank in ranks]  # poll all: collects every exit
+        failed = next((r for r, code in zip(ranks, codes) if code not in (None, 0)), None)
+        if failed is not None or None not in codes:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            _stop_all(ranks, received)
+            print(
+                f"collectives.launch: the job did not finish within {timeout:g} s; stopped every rank",
+                file=sys.stderr,
+            )
+            return 124
+        time.sleep(0.05)
     if failed is None:
         for rank in ranks:
             rank.join_output()
         return 0
-    _stop_all(ranks)  # also reads the rest of every rank's output, whose error lines say who failed first
+    _let_the_others_fail(ranks, received)
+    _stop_all(ranks, received)  # also reads the rest of every rank's output, whose error lines say who failed first
     return _report_failure(ranks)
 
 
@@ -309,10 +323,11 @@ def _report_failure(ranks: list[_Rank]) -> int:
     return code if code > 0 else 128 - code
 
 
-def _let_the_others_fail(ranks: list[_Rank]) -> None:
+def _let_the_others_fail(ranks: list[_Rank], received: list[int]) -> None:
     """Give the ranks still running `_FAILURE_GRACE_SECONDS` to exit by themselves."""
     deadline = time.monotonic() + _FAILURE_GRACE_SECONDS
     while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
+        _raise_if_asked(received)
         time.sleep(0.02)
 
 
@@ -338,20 +353,25 @@ def _ending(rank: _Rank) -> str:
     return f"exited with signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
 
 
-def _stop_all(ranks: list[_Rank]) -> None:
+def _stop_all(ranks: list[_Rank], received: list[int]) -> None:
+    """SIGTERM to every rank, SIGKILL to those still running after `_STOP_GRACE_SECONDS`; a
+    further stop signal while they wind down (Ctrl-C pressed again) ends the grace at once. Reads
+    the rest of every rank's output."""
+    asked = len(received)
     for rank in ranks:
         rank.stop(signal.SIGTERM)
     deadline = time.monotonic() + _STOP_GRACE_SECONDS
     for rank in ranks:
-        try:
-            rank.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(
-                f"collectives.launch: {rank.label.strip()} (pid {rank.process.pid}) did not exit within "
-                f"{_STOP_GRACE_SECONDS:g} s of SIGTERM{_signal_state(rank.process.pid)}; killing it",
-                file=sys.stderr,
-                flush=True,
-            )
+        while rank.poll() is None and time.monotonic() < deadline and len(received) == asked:
+            time.sleep(0.02)
+        if rank.poll() is None:
+            if len(received) == asked:
+                print(
+                    f"collectives.launch: {rank.label.strip()} (pid {rank.process.pid}) did not exit within "
+                    f"{_STOP_GRACE_SECONDS:g} s of SIGTERM{_signal_state(rank.process.pid)}; killing it",
+                    file=sys.stderr,
+                    flush=True,
+                )
             rank.stop(signal.SIGKILL)
             rank.process.wait()
         rank.poll()

@@ -284,6 +284,80 @@ def test_terminated_launcher_stops_its_ranks(tmp_path: Path) -> None:
     assert not [pid for pid in pids if alive(pid)], "a rank outlived the terminated launcher"
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_a_launcher_terminated_while_it_starts_ranks_stops_those_it_started(tmp_path: Path) -> None:
+    """SIGTERM as soon as the first of 8 ranks exists, while the launcher still starts the others:
+    every rank it started ends (the signal handlers were only set once all had started, and the
+    ranks started by then ran on by themselves)."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "job.py"
+    script.write_text(f"import os, time\nopen({str(pids)!r} + f'/{{os.getpid()}}', 'w').close()\ntime.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "collectives.launch", "-n", "8", str(script)])
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not _children(launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        started.update(_children(launcher.pid))
+        launcher.terminate()
+        assert launcher.wait(timeout=LAUNCH_TIMEOUT) == 128 + 15
+        time.sleep(2.0)  # a rank left running has written its pid by now
+        started.update(int(path.name) for path in pids.iterdir())
+        assert started, "no rank was started"
+        assert not [pid for pid in started if alive(pid)], "a rank outlived the terminated launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in started | {int(path.name) for path in pids.iterdir()}:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_pressed_again_kills_ranks_that_ignore_sigterm(tmp_path: Path) -> None:
+    """Ranks that ignore SIGTERM, and Ctrl-C three times: the second press ends the grace at once,
+    every rank is killed and the launcher exits 130 (the presses raised inside its clean-up, which
+    died with a traceback and left the ranks running)."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(pids)!r} + f'/{{os.getpid()}}', 'w').close()\ntime.sleep(60)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "collectives.launch", "-n", "2", str(script)], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(3):
+            launcher.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        started = time.monotonic()
+        _, err = launcher.communicate(timeout=LAUNCH_TIMEOUT)
+        assert launcher.returncode == 130, err
+        assert "Traceback" not in err, err
+        assert time.monotonic() - started < 3.0
+        ranks = [int(path.name) for path in pids.iterdir()]
+        assert len(ranks) == 2 and not [pid for pid in ranks if alive(pid)], "a rank outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+        for path in pids.iterdir():
+            if alive(int(path.name)):
+                os.kill(int(path.name), signal.SIGKILL)
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
