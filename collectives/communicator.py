@@ -620,9 +620,10 @@ class Communicator:
         """Probe, then time every candidate at `sizes` and correct the model with the
         measured/predicted ratios (a collective; see `collectives.selection.tuning`).
 
-        The result is saved under `cache_dir` (default `$COLLECTIVES_TUNING_DIR` or
-        ~/.cache/collectives) keyed by the topology's fingerprint, and reused from there by later
-        runs with the same layout unless `use_cache=False`.
+        The result is saved under `cache_dir` (default `$COLLECTIVES_TUNING_DIR`, else
+        `$XDG_CACHE_HOME/collectives`, else ~/.cache/collectives) keyed by the topology's
+        fingerprint, and reused from there by later runs with the same layout that ask for no size
+        it did not measure, unless `use_cache=False`.
         """
         if self.size == 1:
             return Tuning(())

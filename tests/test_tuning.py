@@ -3,6 +3,7 @@ the first `auto` all-reduce, and native as a candidate of the selector."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -105,6 +106,34 @@ def test_calibration_picks_up_the_cached_tuning(tmp_path, monkeypatch, capsys) -
     assert results[0][0] and all(r == results[0] for r in results)
     assert tuning.main(["show", "--dir", str(tmp_path)]) == 0  # says which runs the file serves
     assert "ThreadTransport, 4 ranks on 2 node(s) [0, 1], [2, 3], segment" in capsys.readouterr().out
+
+
+def test_tune_measures_again_for_sizes_the_cached_file_did_not_measure(tmp_path, monkeypatch) -> None:
+    """A quick tune((4096,)) saved a file that every later tune() reused, whatever sizes it asked
+    for; one asking for no other size still reads it."""
+    monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path))
+    collectives.run_threads(lambda comm: comm.tune((4096,)), 2)
+    wider = collectives.run_threads(lambda comm: comm.tune((4096, 65536)), 2)
+    assert all(result.sizes == (4096, 65536) for result in wider)
+    monkeypatch.setattr(tuning, "measure", lambda *args, **kwargs: pytest.fail("measured again"))
+    assert collectives.run_threads(lambda comm: comm.tune((65536,)), 2)[0].sizes == (4096, 65536)
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning_and_the_ranks_still_agree(tmp_path, monkeypatch, caplog) -> None:
+    """Rank 0 alone writes the file: its failure raised on rank 0 alone, whose selector then
+    differed from the others' (auto picked another algorithm there: MismatchError)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(blocker / "sub"))
+
+    def body(comm: collectives.Communicator) -> tuple[str, float]:
+        comm.tune((4096,))
+        return comm.explain(4096).choice, float(comm.allreduce(np.ones(3))[0])
+
+    with caplog.at_level(logging.WARNING, logger="collectives.selection.tuning"):
+        results = collectives.run_threads(body, 2)
+    assert results[0] == results[1] and results[0][1] == 2.0
+    assert "cannot save the tuning" in caplog.text
 
 
 def test_construction_calibrates_without_a_cache(tmp_path, monkeypatch) -> None:

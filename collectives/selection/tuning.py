@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -49,6 +50,7 @@ from collectives.core.topology import LinkCost, LinkCosts, Topology
 from collectives.selection.selector import Tuning
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from collectives.communicator import Communicator
@@ -190,16 +192,22 @@ def load_or_measure(
 ) -> tuple[LinkCosts, Tuning]:
     """The link costs and tuning of `comm`'s world (a collective, identical on every rank).
 
-    Read from the cache file for this layout when there is one (and `use_cache`); otherwise probed
-    and measured at `sizes`, and saved when `use_cache`. `cache_dir` None means `default_cache_dir()`.
+    Read from the cache file for this layout when there is one that measured every one of `sizes`
+    (and `use_cache`); otherwise probed and measured at `sizes`, and saved when `use_cache`: a file
+    that cannot be written is a warning, not an error (rank 0 alone writes it, and an error there
+    alone would leave the ranks choosing differently). `cache_dir` None means `default_cache_dir()`.
     """
     path, fingerprint, layout = _cache_path(comm, backend, cache_dir)
     if use_cache and (cached := _read_shared(comm, path, fingerprint)) is not None:
-        return cached
+        if set(sizes) <= set(cached[1].sizes):
+            return cached
     costs = comm.probe()
     tuning = measure(comm, costs, sorted(sizes))
     if use_cache and comm.rank == 0:
-        _write_atomically(path, encode(costs, tuning, fingerprint, layout))
+        try:
+            _write_atomically(path, encode(costs, tuning, fingerprint, layout))
+        except OSError as error:
+            log.warning("collectives: cannot save the tuning to %s (%s); later runs will measure again", path, error)
     return costs, tuning
 
 
