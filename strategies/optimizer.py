@@ -16,6 +16,13 @@ in a custom loop for eager overlap).
 With `backward_passes_per_step=N` the gradients of N batches are summed locally (`accumulation`)
 and exchanged and applied once every N-th batch; `optimizer.iterations` counts applied steps.
 
+Mixed precision (a mixed_float16 policy): pass
+`DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))` to `compile`. Its check for inf
+and NaN then runs on the all-reduced gradients, so every rank skips the same steps, and `compile`
+adds no loss-scaling wrapper of its own. The wrapper `compile` would add around a plain
+`DistributedOptimizer` checks each rank's own gradients and skips the all-reduce on the ranks
+that met an inf, so the ranks would part: it is refused when training starts, saying this.
+
 The subclass carries the base class's name and module, so `model.save` records the plain
 optimizer (its config and its variables): `keras.models.load_model` returns a model compiled with
 the plain optimizer, ready to be wrapped again. XLA cannot compile the exchange (it runs as
@@ -26,6 +33,7 @@ machines Keras's default already is False).
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,6 +94,7 @@ class _AllReducing:
     accumulation: LocalAccumulation | None
 
     def build(self, variables: Sequence[Any]) -> None:
+        _refuse_a_loss_scaling_wrapper(self, sys._getframe(1).f_locals.get("self"))
         super().build(variables)  # type: ignore[misc]
         if self.accumulation is not None and not self.accumulation.built:
             self.accumulation.build(variables)
@@ -108,6 +117,28 @@ class _AllReducing:
 
     def _apply_aggregated(self, grads: Sequence[Any], variables: Sequence[Any] | None) -> None:
         super().apply(self.aggregator.aggregate(grads, variables), variables)  # type: ignore[misc]
+
+
+def _refuse_a_loss_scaling_wrapper(optimizer: Any, builder: Any) -> None:
+    """Raise where `builder`, the object whose method builds `optimizer`, is a Keras
+    LossScaleOptimizer wrapped around it: as `model.compile` does under a mixed_float16 policy.
+
+    That wrapper checks each rank's own gradients for inf and NaN and skips the step, all-reduce
+    included, on the ranks where it finds one: a rank that met an inf then pairs its next step's
+    all-reduce with the others' current one, and the ranks' weights part with no error. Wrapped
+    the other way round, `DistributedOptimizer(LossScaleOptimizer(opt))`, the check runs on the
+    all-reduced gradients, so every rank skips the same steps; and `compile` then adds no wrapper
+    of its own (the optimizer is a LossScaleOptimizer already).
+    """
+    import keras
+
+    if isinstance(builder, keras.optimizers.LossScaleOptimizer) and builder.inner_optimizer is optimizer:
+        raise ValueError(
+            "a LossScaleOptimizer wraps this DistributedOptimizer (model.compile adds one under a "
+            "mixed_float16 policy): it would skip steps on the ranks whose own gradients hold an inf "
+            "and not on the others, and the ranks would part. Wrap it the other way round: "
+            "DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer))"
+        )
 
 
 @functools.cache

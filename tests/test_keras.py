@@ -143,6 +143,41 @@ def record_logs(recorded: list, when: str):
     return Recorder()
 
 
+def test_loss_scaling_checks_the_all_reduced_gradients_so_every_rank_skips_the_same_steps() -> None:
+    """DistributedOptimizer(LossScaleOptimizer(opt)): rank 0's inf at step 0 makes every rank skip
+    that step and halve its scale, and the ranks' weights stay identical. The nesting compile makes
+    under a mixed_float16 policy, LossScaleOptimizer(DistributedOptimizer(opt)), skipped the step,
+    all-reduce included, on rank 0 alone; it is refused when training starts."""
+    import keras
+    import tensorflow as tf
+
+    from collectives.strategies import DistributedOptimizer
+
+    def body(comm: collectives.Communicator) -> tuple[np.ndarray, float, str]:
+        weights = keras.Variable(np.zeros(4, np.float32))
+        inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=1.0)
+        optimizer = DistributedOptimizer(inner, comm=comm)
+        optimizer.build([weights])
+        for step in range(3):
+            value = np.inf if comm.rank == 0 and step == 0 else float(comm.rank + 1)
+            optimizer.apply([tf.fill([4], value)], [weights])
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            model = small_model(comm.rank)
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), comm=comm), loss=loss)
+            with pytest.raises(ValueError) as refused:
+                model.fit(*rank_data(comm.rank), batch_size=4, epochs=1, verbose=0)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        return weights.numpy(), float(optimizer.dynamic_scale.numpy()), str(refused.value)
+
+    for weights, scale, refused in run_threads(body, 2, timeout=120):
+        np.testing.assert_array_equal(weights, np.full(4, -6.0))  # steps 1 and 2: 1.5 / scale 0.5 each
+        assert scale == 0.5
+        assert "DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer))" in refused, refused
+
+
 def test_learning_rate_warmup_ramps_per_batch_from_lr_over_size_to_lr() -> None:
     import keras
 
