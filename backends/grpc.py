@@ -407,14 +407,33 @@ class _Refusal(Exception):
         self.text = text
 
 
-class _Session:
-    """An authenticated connection from a peer: its key and the last abort counter it used."""
+_ABORT_WINDOW = 64
+"""How far below the highest abort number a peer used a notice may still come: two notices sent
+at once (on different duplicates, or one passed on while another is made) can overtake each
+other on the way, and a notice refused as a replay is lost (its duplicate then waits out its
+timeout instead of failing with the cause). Older ones, and any number seen before, are replays."""
 
-    __slots__ = ("key", "last_abort")
+
+class _Session:
+    """An authenticated connection from a peer: its key and the abort numbers it used."""
+
+    __slots__ = ("key", "highest_abort", "seen_aborts")
 
     def __init__(self, key: bytes) -> None:
         self.key = key
-        self.last_abort = 0
+        self.highest_abort = 0
+        self.seen_aborts: set[int] = set()
+        """The numbers taken within `_ABORT_WINDOW` of the highest."""
+
+    def take_abort(self, counter: int) -> bool:
+        """Whether an abort notice numbered `counter` is new (then remembered), not a replay."""
+        if counter in self.seen_aborts or counter <= self.highest_abort - _ABORT_WINDOW:
+            return False
+        self.seen_aborts.add(counter)
+        if counter > self.highest_abort:
+            self.highest_abort = counter
+            self.seen_aborts = {seen for seen in self.seen_aborts if seen > counter - _ABORT_WINDOW}
+        return True
 
 
 class _ContextFailure:
@@ -1278,13 +1297,12 @@ class GrpcTransport(Transport):
         if not hmac.compare_digest(offered, wire.proof(session.key, b"abort", counter_text.encode(), notice)):
             raise failed
         with self._lock:
-            counter = int(counter_text)
-            if counter <= session.last_abort:
+            if not session.take_abort(int(counter_text)):
                 raise _Refusal(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"replayed abort notice from rank {src} (number {counter}, after {session.last_abort})",
+                    f"replayed abort notice from rank {src} (number {counter_text}, the highest "
+                    f"{session.highest_abort})",
                 )
-            session.last_abort = counter
 
     def _serve_hello(self, requests: Iterator[bytes], context: Any) -> bytes:
         """First half of the handshake: answer a caller's nonce with this rank's nonce and the proof

@@ -659,6 +659,47 @@ def test_abort_notice_with_a_changed_field_is_refused(world: list[Any]) -> None:
 
 
 @requires_grpc
+def test_abort_notices_that_overtake_each_other_are_both_taken_and_replays_refused(world: list[Any]) -> None:
+    """Notices numbered 5 (for a duplicate) and then 3 (for the transport), as two aborts sent at
+    once can arrive: both contexts fail with their cause (3 was refused as a replay, and its
+    context waited out its timeout). A number seen before, or one far below the highest, is a
+    replay."""
+    import grpc
+
+    from collectives.backends import grpc as grpc_backend
+
+    a, b = world
+    duplicate_a, duplicate_b = a.dup(1), b.dup(1)
+    pending = [b.irecv(np.zeros(3), 0, 5, H), duplicate_b.irecv(np.zeros(3), 0, 5, H)]
+
+    def send(counter: int, context: int) -> None:
+        notice = {"origin": 0, "kind": "lost", "text": f"notice {counter}", "context": context, "since": None}
+        body = json.dumps(notice).encode()
+        metadata = (
+            *a._identity(),
+            (grpc_backend.COUNTER_METADATA_KEY, str(counter)),
+            (grpc_backend.NOTICE_METADATA_KEY, body),
+            (grpc_backend.PROOF_METADATA_KEY, wire.proof(a._keys[1], b"abort", str(counter).encode(), body)),
+        )
+        a._channels[1].stream_unary(grpc_backend._ABORT_METHOD)(iter(()), timeout=5, metadata=metadata)
+
+    send(5, duplicate_a._context)
+    send(3, 0)
+    for request, cause in zip(pending, ("notice 3", "notice 5")):
+        with pytest.raises(PeerLostError, match=cause):
+            request.wait(5)
+
+    def refused(counter: int) -> grpc.StatusCode:
+        with pytest.raises(grpc.RpcError) as refusal:
+            send(counter, 0)
+        return refusal.value.code()
+
+    assert refused(3) == refused(5) == grpc.StatusCode.FAILED_PRECONDITION
+    send(200, 0)  # the highest from here on
+    assert refused(200 - grpc_backend._ABORT_WINDOW) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@requires_grpc
 @pytest.mark.parametrize("world", [SMALL_CHUNKS], indirect=True)
 def test_duplicates_have_their_own_messages(world: list[Any]) -> None:
     """Messages on the same tag of a transport, its duplicate and the duplicate's duplicate never
