@@ -37,6 +37,7 @@ spellings of one machine (a name and an IP) count as two nodes: use one spelling
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
@@ -68,7 +69,7 @@ class TlsFiles:
     """PEM contents for TLS (read at configuration time, so a missing file fails early)."""
 
     certificate: bytes
-    private_key: bytes
+    private_key: bytes = dataclasses.field(repr=False)  # never in a log line or a traceback's locals
     ca: bytes | None = None
     server_name: str | None = None
 
@@ -80,7 +81,7 @@ class ClusterConfig:
     rank: int
     addresses: tuple[str, ...]
     host: str
-    secret: bytes | None = None
+    secret: bytes | None = dataclasses.field(default=None, repr=False)  # never in a log line or a traceback's locals
     tls: TlsFiles | None = None
     bind: str | None = None
     """Where this rank listens, when not at its own address (``COLLECTIVES_BIND``)."""

@@ -392,6 +392,14 @@ def test_holding_messages_costs_no_more_memory_than_is_charged(
 # -- 4. no secret --------------------------------------------------------------------------------------------
 
 
+def test_the_configuration_never_shows_the_secret_or_the_private_key() -> None:
+    """Its repr, as a log line or a traceback's locals would print it."""
+    from collectives.backends._grpc_config import ClusterConfig, TlsFiles
+
+    config = ClusterConfig(0, ("127.0.0.1:1",), "h", secret=b"the-secret", tls=TlsFiles(b"CERT", b"THE-KEY"))
+    assert "the-secret" not in repr(config) and "THE-KEY" not in repr(config) and "CERT" in repr(config)
+
+
 def test_the_launcher_gives_every_job_a_fresh_secret() -> None:
     first = grpc_rank_environments(["127.0.0.1:1", "127.0.0.1:2"], base={})
     second = grpc_rank_environments(["127.0.0.1:1", "127.0.0.1:2"], base={})
