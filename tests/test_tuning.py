@@ -154,6 +154,13 @@ def test_construction_calibrates_without_a_cache(tmp_path, monkeypatch) -> None:
     assert not list(tmp_path.iterdir())
 
 
+def test_a_cache_file_of_other_json_is_ignored() -> None:
+    """Valid JSON that is not a tuning file's (null, a list) is ignored like any other foreign file;
+    it raised AttributeError, and tune() and calibrate() failed instead of measuring."""
+    for text in (b"null", b"[1]", b'"text"', b"3"):
+        assert tuning.decode(text, None) is None
+
+
 def test_show_and_clear(tmp_path, capsys) -> None:
     (tmp_path / "tuning-0123.json").write_text("{}")
     (tmp_path / "other.txt").write_text("kept")

@@ -330,6 +330,8 @@ def decode(data: bytes, fingerprint: str | None) -> tuple[LinkCosts, Tuning] | N
     another `fingerprint`, None: any)."""
     try:
         record = json.loads(data)
+        if not isinstance(record, dict):  # valid JSON, but not a tuning file's
+            return None
         if fingerprint is not None and record.get("fingerprint") != fingerprint:
             return None
         if record.get("version") != __version__:
