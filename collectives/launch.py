@@ -211,13 +211,18 @@ class _Rank:
             except ProcessLookupError:
                 pass
 
-    def join_output(self) -> None:
-        """Wait for the rest of its output; close each pipe whose end has come (one that a child it
-        left behind still holds open stays with its reader thread)."""
+    def join_output(self, deadline: float) -> bool:
+        """Wait until `deadline` (monotonic) for the rest of its output; close each pipe whose end
+        has come. False where a process it left behind still holds one open (that pipe stays with
+        its reader thread)."""
+        complete = True
         for reader, stream in zip(self._readers, (self.process.stdout, self.process.stderr)):
-            reader.join(timeout=_STOP_GRACE_SECONDS)
-            if not reader.is_alive() and stream is not None:
+            reader.join(timeout=max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                complete = False
+            elif stream is not None:
                 stream.close()
+        return complete
 
     def ended_by_itself(self) -> bool:
         return self.process.returncode is not None and not self.stopped
@@ -294,8 +299,15 @@ def _supervise(ranks: list[_Rank], received: list[int], timeout: float | None = 
             return 124
         time.sleep(0.05)
     if failed is None:
+        deadline = time.monotonic() + _STOP_GRACE_SECONDS  # one for all: it waited that long per pipe
         for rank in ranks:
-            rank.join_output()
+            if not rank.join_output(deadline):
+                print(
+                    f"collectives.launch: {rank.label.strip() or 'the job'} exited, but processes it started "
+                    f"(process group {rank.process.pid}) still hold its output; not waiting for them",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return 0
     _let_the_others_fail(ranks, received)
     _stop_all(ranks, received)  # also reads the rest of every rank's output, whose error lines say who failed first
@@ -375,7 +387,9 @@ def _stop_all(ranks: list[_Rank], received: list[int]) -> None:
             rank.stop(signal.SIGKILL)
             rank.process.wait()
         rank.poll()
-        rank.join_output()
+    output_deadline = time.monotonic() + _STOP_GRACE_SECONDS
+    for rank in ranks:
+        rank.join_output(output_deadline)
 
 
 def _signal_state(pid: int) -> str:

@@ -358,6 +358,29 @@ def test_ctrl_c_pressed_again_kills_ranks_that_ignore_sigterm(tmp_path: Path) ->
                 os.kill(int(path.name), signal.SIGKILL)
 
 
+def test_ranks_that_leave_processes_holding_their_output_are_named_not_waited_for(tmp_path: Path) -> None:
+    """Each rank starts a child that inherits its output, prints and exits 0: the launcher exits 0
+    within one grace period, naming each rank (it waited 5 s per pipe per rank, 20 s here, in
+    silence)."""
+    body = """
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        print("child", child.pid, flush=True)
+    """
+    started = time.monotonic()
+    result = launch(tmp_path, body, "-n", "2")
+    children = [int(line.split()[-1]) for line in result.stdout.splitlines() if " child " in line]
+    try:
+        assert result.returncode == 0, result.stderr
+        assert time.monotonic() - started < 15
+        for label in ("[0]", "[1]"):
+            assert f"{label} exited, but processes it started" in result.stderr, result.stderr
+    finally:
+        for pid in children:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
