@@ -272,20 +272,22 @@ class Sequencer:
 
     def _join(self, thread: threading.Thread) -> None:
         """Wait for the communication thread to finish the queued collectives, for as long as it
-        makes progress (each collective is bounded by the timeout). One that ran no collective
-        for longer than that is stuck outside them (in a `Work`'s done-callback that blocks): it is
+        makes progress (a collective ends within its timeout, or a little after where its deadline
+        is once deferred to learn which rank is missing). One that finished no collective for
+        twice the timeout is stuck outside them (in a `Work`'s done-callback that blocks): it is
         left behind, with an error logged, rather than hanging `close`."""
+        patience = 2 * self.timeout + 1.0
         while True:
             started = self._next_to_run
-            thread.join(self.timeout + 1.0)
+            thread.join(patience)
             if not thread.is_alive():
                 return
             if self._next_to_run == started:
                 log.error(
-                    "rank %d: the communication thread ran no collective for %g s (blocked in a "
+                    "rank %d: the communication thread finished no collective for %g s (blocked in a "
                     "callback of an asynchronous collective?); closing without waiting for it",
                     self._transport.rank,
-                    self.timeout + 1.0,
+                    patience,
                 )
                 return
 
