@@ -51,6 +51,9 @@ BACKENDS = ("mpi", "grpc", "nccl", "threads")
 _MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
 
 _default: Communicator | None = None
+_default_listens = False
+"""Whether `_default` is a gRPC world's, listening on this rank's address: a second one
+cannot, and would fail naming nothing the caller did (`init`)."""
 
 
 def detect_backend(environ: Mapping[str, str]) -> str | None:
@@ -119,10 +122,17 @@ def init(
         job with ``ps`` tasks it is the workers' (its `size` is the number of workers), and a
         ``ps`` task does not return: it serves, then exits the process (`collectives.ps_tasks`).
     """
-    global _default
+    global _default, _default_listens
     chosen = backend if backend is not None else detect_backend(os.environ)
     if chosen is not None and chosen not in BACKENDS:
         raise ValueError(f"unknown backend {chosen!r}; expected one of {BACKENDS}")
+    host_transport = _launched_by(os.environ) if chosen == "nccl" else chosen
+    if host_transport == "grpc" and _default_listens and _default is not None and not _default.closed:
+        raise RuntimeError(
+            "collectives.init() was already called in this process and its communicator is open; a "
+            "second gRPC world cannot listen on this rank's address. Use collectives.default_communicator(), "
+            "or close() the first communicator before calling init() again"
+        )
     mode = _autotune_mode(autotune, os.environ)
     transport = _make_transport(chosen, timeout)
     logs.configure(transport.rank)
@@ -154,7 +164,7 @@ def init(
         comm.topology.num_nodes,
         "; ".join(f"{host}: ranks {list(ranks)}" for host, ranks in zip(_node_hosts(comm), comm.topology.nodes)),
     )
-    _default = comm
+    _default, _default_listens = comm, host_transport == "grpc"
     return comm
 
 

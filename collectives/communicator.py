@@ -205,6 +205,11 @@ class Communicator:
         return self._transport.native_dtypes
 
     @property
+    def closed(self) -> bool:
+        """Whether `close()` was called."""
+        return self._sequencer.closed
+
+    @property
     def broken(self) -> bool:
         """Whether a collective failed; every later call then raises `CommunicatorBrokenError`."""
         return self._sequencer.broken

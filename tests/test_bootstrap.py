@@ -44,6 +44,28 @@ def test_a_rank_and_size_without_addresses_fail_saying_what_is_missing(monkeypat
         collectives.init(timeout=5)
 
 
+def test_a_second_init_of_an_open_grpc_world_is_refused_saying_so(monkeypatch) -> None:
+    """It tried this rank's address again: "cannot listen" here, and under the launcher (which lets
+    the rank reuse its port) "rank 0 already has its stream here". Once the first communicator is
+    closed, init() works again."""
+    from collectives.launch import free_loopback_ports
+
+    for name in ("COLLECTIVES_BACKEND", "TF_CONFIG", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLLECTIVES_RANK", "0")
+    monkeypatch.setenv("COLLECTIVES_WORLD_SIZE", "1")
+    monkeypatch.setenv("COLLECTIVES_ADDRESSES", f"127.0.0.1:{free_loopback_ports(1)[0]}")
+    monkeypatch.setenv("COLLECTIVES_SECRET", "s" * 32)
+    monkeypatch.setattr(bootstrap, "_default", None)
+    first = collectives.init(timeout=10, autotune="off")
+    try:
+        with pytest.raises(RuntimeError, match="already called"):
+            collectives.init(timeout=10, autotune="off")
+    finally:
+        first.close()
+    collectives.init(timeout=10, autotune="off").close()
+
+
 def test_unknown_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="COLLECTIVES_BACKEND='tcp' is not a backend"):
         bootstrap.detect_backend({"COLLECTIVES_BACKEND": "tcp"})
