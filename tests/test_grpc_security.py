@@ -245,9 +245,10 @@ class RssWatch:
         return self.peak
 
 
-def test_strangers_flooding_a_rank_cannot_make_it_hold_memory(tmp_path: Path) -> None:
-    """100 concurrent 16 MiB calls to every method, without the secret, while two ranks run
-    checked all-reduces: the attacked rank grows by less than 100 MB and the job finishes right."""
+def attack_a_busy_job(tmp_path: Path, script: str, *args: str, timeout: float) -> tuple[dict[str, Any], int, str]:
+    """Run the attack `script` with `args` against rank 1 of a 2-rank job doing checked
+    all-reduces (worker.py's `busy`), and check the job finished right. Returns the attack's
+    RESULT, how far rank 1's resident memory rose above its baseline, and rank 0's output."""
     stop_file = tmp_path / "stop"
     env = {"WORKER_BUSY_UNTIL": str(stop_file), "WORKER_BUSY_SECONDS": "240", "WORKER_TIMEOUT": "60"}
     with World(SCRIPTS / "worker.py", 2, ["busy"], env=env) as world:
@@ -259,9 +260,9 @@ def test_strangers_flooding_a_rank_cannot_make_it_hold_memory(tmp_path: Path) ->
         time.sleep(1.0)
         baseline = before.stop()
         watch = RssWatch(victim.pid)
-        attacker = start_script("attack_flood.py", world.addresses[1], "100", str(16 * MIB))
+        attacker = start_script(script, world.addresses[1], *args)
         try:
-            out = stop_script(attacker, timeout=300)
+            out = stop_script(attacker, timeout=timeout)
         finally:
             kill_script(attacker)
         time.sleep(1.0)
@@ -272,10 +273,17 @@ def test_strangers_flooding_a_rank_cannot_make_it_hold_memory(tmp_path: Path) ->
     result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
     growth = peak - baseline
     print(f"RSS growth of the attacked rank: {growth / MIB:.1f} MiB; attack: {result}")
+    return result, growth, world.outputs[0]
+
+
+def test_strangers_flooding_a_rank_cannot_make_it_hold_memory(tmp_path: Path) -> None:
+    """100 concurrent 16 MiB calls to every method, without the secret, while two ranks run
+    checked all-reduces: the attacked rank grows by less than 100 MB and the job finishes right."""
+    result, growth, output = attack_a_busy_job(tmp_path, "attack_flood.py", "100", str(16 * MIB), timeout=300)
     assert growth < 100 * 10**6, f"the attacked rank grew by {growth / MIB:.0f} MiB: {result}"
     assert all(code not in ("OK",) for method in result["codes"].values() for code in method), result
-    busy = [json.loads(line[7:]) for line in world.outputs[0].splitlines() if line.startswith("RESULT ")]
-    assert any(r["scenario"] == "busy" and r["rounds"] > 0 for r in busy), world.report()
+    busy = [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
+    assert any(r["scenario"] == "busy" and r["rounds"] > 0 for r in busy), output
 
 
 def test_strangers_opening_calls_they_never_end_cannot_make_a_rank_hold_memory(tmp_path: Path) -> None:
@@ -283,30 +291,7 @@ def test_strangers_opening_calls_they_never_end_cannot_make_a_rank_hold_memory(t
     ending them, without the secret, while two ranks run checked all-reduces: the attacked rank
     grows by less than 100 MB (with no bound on calls per connection or on connections it grew by
     240 MB, and more with every round) and the job finishes right."""
-    stop_file = tmp_path / "stop"
-    env = {"WORKER_BUSY_UNTIL": str(stop_file), "WORKER_BUSY_SECONDS": "240", "WORKER_TIMEOUT": "60"}
-    with World(SCRIPTS / "worker.py", 2, ["busy"], env=env) as world:
-        victim = world.processes[1]
-        assert victim is not None
-        wait_listening(int(world.addresses[1].rsplit(":", 1)[1]))
-        time.sleep(2.0)  # start-up done, all-reduces running: the baseline includes their buffers
-        before = RssWatch(victim.pid)
-        time.sleep(1.0)
-        baseline = before.stop()
-        watch = RssWatch(victim.pid)
-        attacker = start_script("attack_streams.py", world.addresses[1], "20", "1000", "20")
-        try:
-            out = stop_script(attacker, timeout=120)
-        finally:
-            kill_script(attacker)
-        time.sleep(1.0)
-        peak = watch.stop()
-        stop_file.write_text("")
-        codes = world.wait(120)
-    assert codes == [0, 0], world.report()
-    result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
-    growth = peak - baseline
-    print(f"RSS growth of the attacked rank: {growth / MIB:.1f} MiB; attack: {result}")
+    result, growth, _ = attack_a_busy_job(tmp_path, "attack_streams.py", "20", "1000", "20", timeout=120)
     assert result["streams"] > 1000, result  # the attack did run
     assert growth < 100 * 10**6, f"the attacked rank grew by {growth / MIB:.0f} MiB: {result}"
 
