@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from collectives.backends.base import same_memory
 from collectives.core.arrays import array_module, ascontiguous, empty, is_device, may_share_memory
 from collectives.core.ops import ReduceOp, check_reduction
 
@@ -181,11 +182,7 @@ def _check_no_partial_overlap(out: np.ndarray, like: np.ndarray) -> None:
     being it: the algorithms write a rank's result while they still read its input, so such an
     `out` got wrong elements (a ring all-reduce of buf[:24] into buf[1:], a broadcast whose root
     sent what `out` held). `out=x`, or another view of exactly x's memory, works in place."""
-    if not np.may_share_memory(out, like):
-        return
-    start = out.__array_interface__["data"][0]
-    in_place = out.strides == like.strides and start == like.__array_interface__["data"][0]
-    if not in_place:
+    if np.may_share_memory(out, like) and not (out.strides == like.strides and same_memory(out, like)):
         raise ValueError("out overlaps the input without being it; pass out=x to work in place, or an array of its own")
 
 
