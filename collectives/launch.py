@@ -299,15 +299,13 @@ def _supervise(ranks: list[_Rank], received: list[int], timeout: float | None = 
             return 124
         time.sleep(0.05)
     if failed is None:
-        deadline = time.monotonic() + _STOP_GRACE_SECONDS  # one for all: it waited that long per pipe
-        for rank in ranks:
-            if not rank.join_output(deadline):
-                print(
-                    f"collectives.launch: {rank.label.strip() or 'the job'} exited, but processes it started "
-                    f"(process group {rank.process.pid}) still hold its output; not waiting for them",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        for rank in _join_outputs(ranks):
+            print(
+                f"collectives.launch: {rank.label.strip() or 'the job'} exited, but processes it started "
+                f"(process group {rank.process.pid}) still hold its output; not waiting for them",
+                file=sys.stderr,
+                flush=True,
+            )
         return 0
     _let_the_others_fail(ranks, received)
     _stop_all(ranks, received)  # also reads the rest of every rank's output, whose error lines say who failed first
@@ -387,9 +385,15 @@ def _stop_all(ranks: list[_Rank], received: list[int]) -> None:
             rank.stop(signal.SIGKILL)
             rank.process.wait()
         rank.poll()
-    output_deadline = time.monotonic() + _STOP_GRACE_SECONDS
-    for rank in ranks:
-        rank.join_output(output_deadline)
+    _join_outputs(ranks)
+
+
+def _join_outputs(ranks: list[_Rank]) -> list[_Rank]:
+    """Read the rest of every rank's output within one grace period for all (one per pipe made
+    2 ranks that left processes holding their output wait 20 s); the ranks whose output is
+    still held."""
+    deadline = time.monotonic() + _STOP_GRACE_SECONDS
+    return [rank for rank in ranks if not rank.join_output(deadline)]
 
 
 def _signal_state(pid: int) -> str:
