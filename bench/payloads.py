@@ -4,7 +4,9 @@ Every value is a small integer, exact in every dtype, and every partial result a
 on the way is exact too (sums of small integers, products that are a single non-one factor per
 element), so the result does not depend on the order the algorithm reduces in and any difference
 from the expected array is a bug, not rounding. `mean` divides an exact sum once, as the library
-does, so its expected value is that same single rounding.
+does, so its expected value is that same single rounding; a float16 mean divides every input first
+(`collectives.core.ops.divided_first`), so its inputs are multiples of the rank count, and every
+division and the result are exact.
 
 Sizes follow nccl-tests: for reduce_scatter and allgather `count` is the element count of the large
 buffer (the input of reduce_scatter, the output of allgather), a multiple of the rank count.
@@ -44,7 +46,12 @@ def make_input(collective: str, op: ReduceOp, rank: int, size: int, count: int, 
     if collective in REDUCING and op is ReduceOp.PROD:
         owned = np.arange(count) % size == rank
         return np.where(owned, _base(count), 1).astype(dtype)
-    return (_base(count) * (rank + 1)).astype(dtype)
+    return (_base(count) * (rank + 1) * _divided_first(collective, op, size, dtype)).astype(dtype)
+
+
+def _divided_first(collective: str, op: ReduceOp, size: int, dtype: np.dtype) -> int:
+    """What the inputs are multiplied by so that a mean that divides each one first stays exact."""
+    return size if collective in REDUCING and op is ReduceOp.MEAN and np.dtype(dtype) == np.float16 else 1
 
 
 def expected_output(
@@ -64,7 +71,7 @@ def expected_output(
         full = (base * size).astype(dtype)
     else:
         full = (base * (size * (size + 1) // 2)).astype(dtype)
-        if op is ReduceOp.MEAN:
+        if op is ReduceOp.MEAN and _divided_first(collective, op, size, dtype) == 1:
             full = np.divide(full, size, dtype=dtype)
     if collective == "reduce_scatter":
         n = count // size
@@ -78,6 +85,7 @@ def check_exact(collective: str, op: ReduceOp, size: int, dtype: np.dtype) -> No
     if dtype.kind != "f":
         return
     largest = 7 * (size * (size + 1) // 2 if collective in REDUCING and op in (ReduceOp.SUM, ReduceOp.MEAN) else size)
+    largest = max(largest, 7 * size * _divided_first(collective, op, size, dtype))  # the largest input
     exact_up_to = 2 ** (np.finfo(dtype).nmant + 1)
     if largest > exact_up_to:
         raise ValueError(

@@ -64,7 +64,7 @@ from collectives.backends.staged import with_host_staging
 from collectives.core.arrays import empty, is_device, may_share_memory
 from collectives.core.group import Group, HeaderCheck
 from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES, even_bounds
-from collectives.core.ops import ReduceOp, engine_op, finalize
+from collectives.core.ops import ReduceOp, divided_first, engine_op, finalize
 from collectives.core.schedule import drive
 from collectives.core.topology import DEFAULT_LINK_COSTS, LinkCosts, Topology
 from collectives.selection.native import NATIVE, native_model
@@ -262,6 +262,8 @@ class Communicator:
         if self.size == 1:
             return _Local(copy_back(result, target, flat), src)
         header = collective_header("allreduce", src, algorithm=chosen, op=op)
+        contributors = self.size if chosen == NATIVE else registry.lookup(chosen).contributors(self.size)
+        flat, op = divided_first(op, flat, contributors)
         if chosen == NATIVE:
             # in a meeting (threads), where a rank's buffers live decides how they join it
             says_buffer = self._transport.native_meets
@@ -370,19 +372,22 @@ class Communicator:
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
             return _Local(copy_back(result, target, flat[mine]), src)
+        summed, summing_op = divided_first(op, flat, self.size)
         if self._runs_natively("reduce_scatter", src) and src.shape[0] % self.size == 0:
             scatter = self._transport.native_reduce_scatter
-            run_native = functools.partial(self._native_reduction, "reduce-scatter", scatter, flat, target, result, op)
+            run_native = functools.partial(
+                self._native_reduction, "reduce-scatter", scatter, summed, target, result, summing_op
+            )
             header = collective_header("reduce_scatter", src, algorithm=NATIVE, op=op)
             return self._planned(header, run_native, src)
 
         def run(group: Group) -> np.ndarray:
-            work_space = self._reusable_work_space(flat)
-            drive(
-                group,
-                ring_reduce_scatter_steps(group, flat, work_space, op, bounds, segment_bytes=self._segment_bytes(src)),
+            work_space = self._reusable_work_space(summed)
+            steps = ring_reduce_scatter_steps(
+                group, summed, work_space, summing_op, bounds, segment_bytes=self._segment_bytes(src)
             )
-            finalize(op, work_space[mine], self.size)
+            drive(group, steps)
+            finalize(summing_op, work_space[mine], self.size)
             return copy_back(result, target, work_space[mine])
 
         return self._planned(collective_header("reduce_scatter", src, algorithm="ring", op=op), run, src)

@@ -64,7 +64,14 @@ from collectives import Communicator, MismatchError, Work
 from collectives.arguments import copy_back, flat_view, output_buffers
 from collectives.backends.device import runtime
 from collectives.core.arrays import is_device
-from collectives.core.ops import REDUCTION_DTYPES, ReduceOp, check_reduction, combine_in_order, finalize
+from collectives.core.ops import (
+    REDUCTION_DTYPES,
+    ReduceOp,
+    check_reduction,
+    combine_in_order,
+    divided_first,
+    finalize,
+)
 from collectives.ps_tasks import job_for
 
 from ._tensorflow import communicator
@@ -170,8 +177,10 @@ def _reduce_carried(records: np.ndarray, training: np.ndarray, op: ReduceOp, out
     """`out` = `op` over the data that the records of the ranks still `training` carry, in rank
     order (mean divides by the number of ranks, as every all-reduce here does)."""
     carried = records.view(np.uint8)[:, _CARRIED_START : _CARRIED_START + out.nbytes].view(out.dtype)
-    combine_in_order(op, _training_rows(carried, training), out)
-    finalize(op, out, len(records))
+    rows = _training_rows(carried, training)
+    summed, summing_op = divided_first(op, rows, len(records))  # a float16 mean divides first
+    combine_in_order(summing_op, summed, out)
+    finalize(summing_op, out, len(records))
 
 
 def _training_rows(rows: np.ndarray, training: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import (
+    ALGORITHMS,
     ALL_ALGORITHMS,
     assert_identical,
     assert_reduced,
@@ -20,7 +21,9 @@ from conftest import (
 )
 
 import collectives
+from collectives.algorithms.parameter_server import parameter_server
 from collectives.core.layout import even_bounds
+from collectives.strategies.joining import announced_allreduce
 
 # -- reduce_scatter ------------------------------------------------------------------------------
 
@@ -453,6 +456,33 @@ def test_reduce_scatter_mean_float16_precision() -> None:
     _, atol = tolerance(np.float16, "mean", world_size)
     np.testing.assert_allclose(np.concatenate(blocks).astype(np.float64), expected, rtol=0, atol=atol)
     assert even_bounds(90, world_size) == [10 * r for r in range(10)]
+
+
+def test_float16_mean_divides_first_so_a_finite_mean_does_not_overflow() -> None:
+    """Four ranks averaging 30000 in float16: the sum (120000) is beyond float16, the mean is not.
+    Every algorithm, in place too, reduce-scatter, the join-aware all-reduce that carries small
+    data in its announcement, and a dedicated parameter server (the mean of its three workers)
+    give 30000, the same bits on every rank, and leave the input as it was."""
+    world_size, value = 4, 30000.0
+    servers = parameter_server(1, dedicated=True)
+
+    def body(comm: collectives.Communicator) -> dict[str, np.ndarray]:
+        x = np.full(40, value, np.float16)
+        results = {name: comm.allreduce(x, op="mean", algorithm=name) for name in ALGORITHMS}
+        results["auto"] = comm.allreduce(x, op="mean")
+        results["reduce_scatter"] = comm.reduce_scatter(x.reshape(8, 5), op="mean")  # two rows each
+        results["announced"] = announced_allreduce(comm, x, "mean")
+        in_place = x.copy()
+        results["in place"] = comm.allreduce(in_place, op="mean", out=in_place)
+        with_server = np.full(40, value if comm.rank < world_size - 1 else 1.0, np.float16)
+        results["dedicated server"] = comm.allreduce(with_server, op="mean", algorithm=servers)
+        results["input"] = x
+        return results
+
+    per_rank = collectives.run_threads(body, world_size)
+    for name, result in per_rank[0].items():
+        np.testing.assert_array_equal(result, np.float16(value), err_msg=name)
+        assert_identical([outcome[name] for outcome in per_rank])
 
 
 def test_broadcast_accepts_numpy_integer_root() -> None:

@@ -383,6 +383,7 @@ def _algorithm(options: ParameterServers) -> AllReduceAlgorithm:
         cost=functools.partial(parameter_server_cost, options),
         runs_on=lambda topology: options.runs_on(topology.size),
         auto_candidate=_between_nodes_of_several_ranks,
+        contributors=options.workers,
         variant=_variant,
     )
 

@@ -71,6 +71,10 @@ def _everywhere(topology: Topology) -> bool:
     return True
 
 
+def _every_rank(size: int) -> int:
+    return size
+
+
 @dataclass(frozen=True)
 class AllReduceAlgorithm:
     """One all-reduce algorithm, as every part of the library sees it."""
@@ -85,6 +89,9 @@ class AllReduceAlgorithm:
     is refused with a ValueError."""
     auto_candidate: Callable[[Topology], bool] | None = _everywhere
     """Where `auto` considers it (within `runs_on`); None: never (a test oracle, say)."""
+    contributors: Callable[[int], int] = _every_rank
+    """How many of `size` ranks contribute their input, the count a mean divides by: all of them,
+    except where some ranks only serve (dedicated parameter servers)."""
     variant: Callable[[str], AllReduceAlgorithm | None] | None = None
     """For an algorithm with options: the entry of the variant a longer name spells (given
     "parameter_server_2_greedy", the parameter server with two servers placed greedily), or None if

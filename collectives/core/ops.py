@@ -2,7 +2,8 @@
 
 Algorithms only ever call `combine(op, a, b, out)` (out = a op b, elementwise, `out` may alias `a`),
 `combine_in_order` (a fold of several buffers in a fixed order) and `finalize(op, buf, contributors)`
-(the last step of `mean`). The kernels are numpy ufuncs,
+(the last step of `mean`); a float16 mean divides first instead (`divided_first`). The kernels are
+numpy ufuncs,
 which are already as fast as memory allows for float32/float64/int32/int64; float16 goes through
 numba kernels (`_half`) because numpy's float16 arithmetic runs at a few percent of memory speed.
 Float16 is accumulated in float32 and rounded once per step, like NCCL does.
@@ -159,3 +160,20 @@ def finalize(op: ReduceOp, buf: Any, contributors: int) -> None:
         from collectives.core import _half
 
         _half.half_scale(buf, contributors)
+
+
+def divided_first(op: ReduceOp, buf: Any, contributors: int) -> tuple[Any, ReduceOp]:
+    """What to sum for a float16 mean: a copy of `buf` divided by `contributors`, and the sum, which
+    then needs no `finalize`. Any other op or dtype: `buf` and `op` as they are.
+
+    A float16 sum of the inputs overflows where their mean is finite (three ranks averaging 30000
+    would give inf), and loss-scaled float16 gradients live near that limit. So NCCL's average
+    divides each contribution first (ncclAvg pre-multiplies floating-point inputs), as PyTorch's
+    data-parallel gradients do; the other float dtypes keep the more exact sum, then division.
+    The copy leaves the caller's input as it was, whatever happens to the collective.
+    """
+    if op is not ReduceOp.MEAN or buf.dtype != np.float16 or contributors == 1:
+        return buf, op
+    scaled = buf.copy()  # C-contiguous, so its flat view is no copy
+    finalize(op, scaled.reshape(-1), contributors)
+    return scaled, ReduceOp.SUM
