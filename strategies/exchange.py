@@ -35,7 +35,7 @@ import numpy as np
 
 from collectives import Communicator, Work
 from collectives.backends.device import copy_after_queued
-from collectives.core.arrays import array_module, is_device
+from collectives.core.arrays import is_device
 from collectives.ps_tasks import job_for
 from collectives.timeline import COMMUNICATION, Timeline
 
@@ -65,10 +65,11 @@ class BucketExchange:
     ) -> None:
         self.comm = comm
         servers = job_for(comm, algorithm)
+        op = "mean" if average else "sum"  # a float16 wire then divides before it sums (`divided_first`)
         self._start_allreduce = (
-            servers.allreduce_async
+            functools.partial(servers.allreduce_async, op=op)
             if servers is not None
-            else functools.partial(comm.allreduce_async, op="sum", algorithm=algorithm)
+            else functools.partial(comm.allreduce_async, op=op, algorithm=algorithm)
         )
         self.buckets = tuple(buckets)
         self.average = average
@@ -80,7 +81,8 @@ class BucketExchange:
         self._where = {
             slot.variable: (index, slot) for index, bucket in enumerate(self.buckets) for slot in bucket.slots
         }
-        self._announced = AnnouncedSteps(comm, [compressor.compress(buffer)[0] for buffer in self._buffers], algorithm)
+        wires = [compressor.compress(buffer)[0] for buffer in self._buffers]
+        self._announced = AnnouncedSteps(comm, wires, op, algorithm)
         self._lock = threading.Lock()
         self._reset()
 
@@ -127,8 +129,6 @@ class BucketExchange:
         if work is None:
             raise RuntimeError(f"bucket {index} was collected before all its gradients arrived")
         reduced = self.compressor.decompress(work.wait(), self._contexts[index])
-        if self.average and self.comm.size > 1:
-            array_module(reduced).divide(reduced, reduced.dtype.type(self.comm.size), out=reduced)
         self._record(index, work)
         bucket = self.buckets[index]
         gradients = [reduced[s.offset : s.offset + s.count].reshape(s.shape) for s in bucket.slots]

@@ -206,11 +206,13 @@ class AnnouncedSteps:
     """The announcements of the steps of one bucket layout: `begin` before a step's first bucket,
     `promise_next` once its last bucket has started (see the module docstring)."""
 
-    def __init__(self, comm: Communicator, wires: Sequence[np.ndarray], algorithm: str = "auto") -> None:
-        """`wires`: one array per bucket as it travels (dtype and size), all-reduced with "sum" by
+    def __init__(
+        self, comm: Communicator, wires: Sequence[np.ndarray], op: str | ReduceOp = "sum", algorithm: str = "auto"
+    ) -> None:
+        """`wires`: one array per bucket as it travels (dtype and size), all-reduced with `op` by
         `algorithm`."""
         self.comm = comm
-        self.rows = np.array([_allreduce_row(comm, wire, "sum", algorithm) for wire in wires], dtype=np.int64)
+        self.rows = np.array([_allreduce_row(comm, wire, op, algorithm) for wire in wires], dtype=np.int64)
         self._record = _new_record(comm)
         self._record[_STATE], self._record[_KIND], self._record[_COUNT] = _ACTIVE, _STEP, len(self.rows)
         self._record[_DIGEST:_RECORD_WORDS] = _digest_words(self.rows.tobytes())

@@ -116,6 +116,20 @@ def test_exchange_averages_whatever_order_gradients_arrive_in(compression) -> No
                 np.testing.assert_array_equal(run[step][variable], expected)
 
 
+def test_an_fp16_compressed_average_overflows_only_where_the_mean_would() -> None:
+    """Three ranks' gradients of 30000 travel as float16: their sum (90000) is beyond float16's
+    range, their average is not, and is what every rank gets."""
+    buckets = plan_buckets([((4,), F32)], bucket_bytes=1024)
+
+    def body(comm: collectives.Communicator) -> dict[int, np.ndarray]:
+        exchange = BucketExchange(comm, buckets, average=True, compressor=Compression.fp16)
+        exchange.deposit(0, np.full(4, 30000, np.float32))
+        return exchange.collect_all()
+
+    for result in run_threads(body, 3, timeout=20):
+        np.testing.assert_array_equal(result[0], np.full(4, 30000, np.float32))
+
+
 def test_exchange_sends_zeros_for_missing_gradients_and_refuses_duplicates_and_wrong_sizes() -> None:
     buckets = plan_buckets([((2,), F32), ((2,), F32)], bucket_bytes=1024)
 
