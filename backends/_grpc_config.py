@@ -14,7 +14,7 @@ Cluster description, in order of precedence:
    the ``ps`` tasks: W workers take ranks 0..W-1 and S ps tasks W..W+S-1, so the ps tasks are the
    last S ranks, where the dedicated-server variant of the parameter-server all-reduce puts its
    servers (`ClusterConfig.servers` says how many; `collectives.ps_tasks` runs such a job). An
-   ``evaluator`` takes no part.
+   ``evaluator`` takes no part: `collectives.init()` makes it a single process.
 
 Common to both: ``COLLECTIVES_SECRET`` (shared secret every rank proves it holds, see
 docs/security.md), ``COLLECTIVES_TLS_CERT`` / ``COLLECTIVES_TLS_KEY`` / ``COLLECTIVES_TLS_CA``
@@ -190,8 +190,10 @@ def parse_tf_config(text: str) -> tuple[int, tuple[str, ...], int]:
         raise ValueError(f'{ENV_TF_CONFIG} must have a "task" object like {{"type": "worker", "index": 0}}')
     kind, index = task.get("type"), task.get("index", 0)
     if kind not in TF_CONFIG_JOBS:
+        alone = " (an evaluator runs alone: collectives.init() with no backend gives it a world of one)"
         raise ValueError(
             f'{ENV_TF_CONFIG}: task type {kind!r} takes no part in collectives; expected "chief", "worker" or "ps"'
+            f"{alone if kind == 'evaluator' else ''}"
         )
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(jobs[kind]):
         raise ValueError(

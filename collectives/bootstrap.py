@@ -23,6 +23,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from collectives import logs, ps_tasks, timeline
 from collectives.backends.base import Transport, emulated_host
@@ -47,6 +48,9 @@ ENV_AUTOTUNE = "COLLECTIVES_AUTOTUNE"
 "tune" or "off"."""
 
 BACKENDS = ("mpi", "grpc", "nccl", "threads")
+
+EVALUATOR = "evaluator"
+"""The TF_CONFIG task type that evaluates beside the training job, alone (`_launched_by`)."""
 
 _MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
 
@@ -73,7 +77,8 @@ def _launched_by(environ: Mapping[str, str]) -> str | None:
     variables where the launcher itself runs under srun or mpiexec; a rank and size without
     addresses must fail saying what is missing, not train alone). Then an MPI launch, then a
     TF_CONFIG that describes a cluster: an empty one, "{}" or one without a cluster is a single
-    process, as TensorFlow takes it.
+    process, as TensorFlow takes it, and so is the ``evaluator`` task, which evaluates alone while
+    the others train (tf.distribute makes it a world of its own).
     """
     if any(environ.get(name) for name in (ENV_ADDRESSES, ENV_RANK, ENV_WORLD_SIZE)):
         return "grpc"
@@ -93,7 +98,13 @@ def _describes_cluster(tf_config: str) -> bool:
         config = json.loads(tf_config)
     except ValueError:
         return True
-    return not isinstance(config, dict) or bool(config.get("cluster"))
+    return not isinstance(config, dict) or (bool(config.get("cluster")) and not _is_evaluator(config))
+
+
+def _is_evaluator(tf_config: dict[str, Any]) -> bool:
+    """Whether a parsed TF_CONFIG names this task the ``evaluator``."""
+    task = tf_config.get("task")
+    return isinstance(task, dict) and task.get("type") == EVALUATOR
 
 
 def init(
@@ -150,7 +161,7 @@ def init(
     if os.environ.get(ENV_TIMELINE):
         timeline.synchronize_clocks(comm)  # before any trace event, so every rank's events share rank 0's clock
     if chosen is None:
-        log.info("collectives: no MPI launch, TF_CONFIG or launcher found; running as a single rank")
+        log.info("collectives: %s; running as a single rank", _why_single(os.environ))
     log.info(
         "collectives: rank %d of %d on %s (backend %s, %d node(s))",
         comm.rank,
@@ -174,6 +185,17 @@ def _autotune_mode(autotune: bool | str | None, environ: Mapping[str, str]) -> s
     if autotune is not None:
         return autotune_mode(autotune)
     return autotune_mode(environ.get(ENV_AUTOTUNE) or "calibrate", ENV_AUTOTUNE)
+
+
+def _why_single(environ: Mapping[str, str]) -> str:
+    """Why a process with no backend chosen runs alone, for the log."""
+    try:
+        evaluator = _is_evaluator(json.loads(environ.get("TF_CONFIG", "")))
+    except (ValueError, AttributeError):
+        evaluator = False
+    if evaluator:
+        return "TF_CONFIG names this task the evaluator, which takes no part in training"
+    return "no MPI launch, TF_CONFIG or launcher found"
 
 
 def _node_hosts(comm: Communicator) -> list[str]:

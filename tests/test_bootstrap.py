@@ -10,6 +10,8 @@ import pytest
 import collectives
 from collectives import bootstrap
 
+_EVALUATOR = '{"cluster": {"chief": ["a:1"], "worker": ["b:2"], "evaluator": ["c:3"]}, "task": {"type": "evaluator"}}'
+
 
 @pytest.mark.parametrize(
     ("environ", "expected"),
@@ -22,6 +24,7 @@ from collectives import bootstrap
         ({"TF_CONFIG": ""}, None),  # TensorFlow's single process
         ({"TF_CONFIG": "{}"}, None),
         ({"TF_CONFIG": '{"task": {"type": "worker", "index": 0}}'}, None),
+        ({"TF_CONFIG": _EVALUATOR}, None),  # it evaluates alone, as in tf.distribute
         ({"COLLECTIVES_ADDRESSES": "127.0.0.1:1"}, "grpc"),
         ({"COLLECTIVES_RANK": "1", "COLLECTIVES_WORLD_SIZE": "2"}, "grpc"),  # not a world of one
         ({"COLLECTIVES_ADDRESSES": "127.0.0.1:1", "PMI_RANK": "0"}, "grpc"),  # the launcher under srun
@@ -42,6 +45,19 @@ def test_a_rank_and_size_without_addresses_fail_saying_what_is_missing(monkeypat
     monkeypatch.setenv("COLLECTIVES_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="COLLECTIVES_ADDRESSES"):
         collectives.init(timeout=5)
+
+
+def test_an_evaluator_task_runs_alone_and_the_log_says_why(monkeypatch, caplog) -> None:
+    """init() raised on the evaluator task of a TF_CONFIG job ("takes no part in collectives")."""
+    for name in ("COLLECTIVES_BACKEND", "COLLECTIVES_ADDRESSES", "COLLECTIVES_RANK", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TF_CONFIG", _EVALUATOR)
+    monkeypatch.setattr(bootstrap, "_default", None)
+    with caplog.at_level(logging.INFO, logger="collectives.bootstrap"):
+        comm = collectives.init(autotune="off")
+    assert (comm.rank, comm.size) == (0, 1)
+    np.testing.assert_array_equal(comm.allreduce(np.arange(3.0), op="mean"), [0.0, 1.0, 2.0])
+    assert "names this task the evaluator" in caplog.text
 
 
 def test_a_second_init_of_an_open_grpc_world_is_refused_saying_so(monkeypatch) -> None:
