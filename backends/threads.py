@@ -28,7 +28,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeGuard, cast
 
 import numpy as np
 
@@ -555,18 +555,33 @@ def node_hosts(world_size: int, ranks_per_node: int | Sequence[int] | None) -> l
         world_size: number of ranks.
         ranks_per_node: None (one node), an int (equal nodes, the last may be smaller), or a
             list of node sizes summing to `world_size` (uneven nodes).
+
+    Raises:
+        TypeError: `ranks_per_node` is none of those (a float, a bool, a string, a list of them).
+        ValueError: a size below 1, or sizes that do not sum to `world_size`.
     """
     if ranks_per_node is None:
         sizes = [world_size]
-    elif isinstance(ranks_per_node, int):
+    elif _is_int(ranks_per_node):
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
-        full, rest = divmod(world_size, ranks_per_node)
-        sizes = [ranks_per_node] * full + ([rest] if rest else [])
-    else:
+        full, rest = divmod(world_size, int(ranks_per_node))
+        sizes = [int(ranks_per_node)] * full + ([rest] if rest else [])
+    elif (
+        isinstance(ranks_per_node, Sequence)
+        and not isinstance(ranks_per_node, str)
+        and all(map(_is_int, ranks_per_node))
+    ):
         sizes = [int(s) for s in ranks_per_node]
         if any(s < 1 for s in sizes) or sum(sizes) != world_size:
             raise ValueError(
                 f"ranks_per_node {list(ranks_per_node)} must be positive sizes summing to the world size {world_size}"
             )
+    else:
+        raise TypeError(f"ranks_per_node must be None, an int or a list of ints (node sizes), got {ranks_per_node!r}")
     return [f"node{node}" for node, count in enumerate(sizes) for _ in range(count)]
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """An int or a numpy integer, not a bool (True is not a node of one rank)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

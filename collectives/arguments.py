@@ -70,6 +70,21 @@ def checked_timeout(seconds: Any) -> float:
     return float(seconds)
 
 
+def checked_count(value: Any, name: str) -> int:
+    """`value` as an int of at least 1 (a number of bytes, of ranks).
+
+    Raises:
+        TypeError: not an integer: a float would be truncated, a string compared with ints, and a
+            bool taken for 1.
+        ValueError: below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
 def checked_root(root: Any, size: int) -> int:
     """`root` as an int rank of a world of `size` ranks, or a ValueError (bools are not ranks)."""
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from collectives import logs, ps_tasks, timeline
+from collectives.arguments import checked_count
 from collectives.backends.base import Transport, emulated_host
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
 from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES
@@ -145,6 +146,8 @@ def init(
             "or close() the first communicator before calling init() again"
         )
     mode = _autotune_mode(autotune, os.environ)
+    for name, count in (("segment_bytes", segment_bytes), ("device_segment_bytes", device_segment_bytes)):
+        checked_count(count, name)  # before a transport listens or connects for nothing
     transport = _make_transport(chosen, timeout)
     logs.configure(transport.rank)
     _emulate_nodes(transport, os.environ)

@@ -48,6 +48,7 @@ from collectives.algorithms.barrier import dissemination_barrier_steps
 from collectives.algorithms.ring import ring_allgather_steps, ring_reduce_scatter_steps
 from collectives.algorithms.tree import tree_broadcast_steps
 from collectives.arguments import (
+    checked_count,
     checked_root,
     checked_timeout,
     collective_header,
@@ -110,17 +111,16 @@ class Communicator:
         autotune: bool | str = False,
     ) -> None:
         timeout = checked_timeout(timeout)
+        segment_bytes = checked_count(segment_bytes, "segment_bytes")
+        device_segment_bytes = checked_count(device_segment_bytes, "device_segment_bytes")
         mode = autotune_mode(autotune)
-        for name, value in (("segment_bytes", segment_bytes), ("device_segment_bytes", device_segment_bytes)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         self._backend = type(transport).__name__
         """The backend's name (tuning cache, messages): the transport's, not its staging's."""
         transport = with_host_staging(transport)
         self._transport = transport
         self._sequencer = Sequencer(transport, timeout)
-        self.segment_bytes = int(segment_bytes)
-        self.device_segment_bytes = int(device_segment_bytes)
+        self.segment_bytes = segment_bytes
+        self.device_segment_bytes = device_segment_bytes
         self.last_algorithm: str | None = None
         """The algorithm the most recent all-reduce call resolved to (after "auto")."""
         hosts = self._sequencer.run_setup(_SETUP_HEADER, lambda group: _exchange_hosts(group, transport.host))
@@ -690,6 +690,10 @@ class Communicator:
 
     def _choose_allreduce(self, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
         if algorithm != "auto":
+            if not isinstance(algorithm, str):
+                raise TypeError(
+                    f"algorithm must be a name: 'auto', 'native' or one of {self.algorithms}, got {algorithm!r}"
+                )
             if algorithm == NATIVE:
                 if not self._transport.has_native_allreduce:
                     raise ValueError(

@@ -7,7 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+import collectives
 from collectives.arguments import (
+    checked_count,
     checked_root,
     collective_header,
     copy_back,
@@ -87,6 +89,30 @@ def test_checked_root() -> None:
         with pytest.raises(ValueError) as caught:
             checked_root(bad, 3)
         assert "0..2" in str(caught.value) and repr(bad) in str(caught.value)
+
+
+def test_checked_count() -> None:
+    """Ints and numpy integers of at least 1 come back as int; 1.5 was truncated to 1, True taken
+    for 1, and "1" or None failed comparing with an int, naming nothing."""
+    assert checked_count(np.int32(7), "segment_bytes") == 7 and type(checked_count(np.int32(7), "x")) is int
+    for bad in (True, 1.5, "1", None):
+        with pytest.raises(TypeError, match=f"segment_bytes must be a positive int, got {bad!r}"):
+            checked_count(bad, "segment_bytes")
+    with pytest.raises(ValueError, match="segment_bytes must be >= 1, got 0"):
+        checked_count(0, "segment_bytes")
+
+
+def test_communicator_settings_and_the_algorithm_name_are_checked_on_every_entry() -> None:
+    """A segment size, a node layout or an algorithm of the wrong type names the argument; None as
+    the algorithm raised AttributeError ('NoneType' object has no attribute 'startswith')."""
+    for settings in ({"segment_bytes": 1.5}, {"device_segment_bytes": "1"}):
+        with pytest.raises(TypeError, match=f"{next(iter(settings))} must be a positive int"):
+            collectives.run_threads(lambda comm: None, 2, **settings)
+    for layout in (1.5, True, "2", [1, True]):
+        with pytest.raises(TypeError, match="ranks_per_node must be None, an int or a list of ints"):
+            collectives.run_threads(lambda comm: None, 2, ranks_per_node=layout)
+    with pytest.raises(TypeError, match="algorithm must be a name"):
+        collectives.run_threads(lambda comm: comm.allreduce(np.ones(2), algorithm=None), 1)
 
 
 # -- outputs -------------------------------------------------------------------------------------
