@@ -3,7 +3,8 @@
 This is how algorithms are unit-tested without a cluster: each rank is a thread with its own
 `Communicator` over the threads backend. When one rank raises, the fabric is aborted so every other
 rank's pending collective fails at once, and the first exception is re-raised here, annotated with
-the rank that raised it; nothing is left waiting.
+the rank that raised it; nothing is left waiting. A KeyboardInterrupt in the caller aborts the fabric
+too: the ranks' collectives end at once instead of at their timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMEN
 T = TypeVar("T")
 
 _GRACE_SECONDS = 5.0
+_INTERRUPT_GRACE_SECONDS = 1.0
+"""How long an interrupted `run_threads` waits for its ranks to leave their aborted collectives."""
 
 
 def run_threads(
@@ -81,7 +84,13 @@ def run_threads(
     ]
     for thread in threads:
         thread.start()
-    _join(threads, failures, timeout)
+    try:
+        _join(threads, failures, timeout)
+    except KeyboardInterrupt:
+        # Ctrl-C: the ranks waiting in a collective would wait out its timeout, unseen
+        fabric.abort(0, RuntimeError("run_threads was interrupted (KeyboardInterrupt) in its caller"))
+        _join_within(threads, _INTERRUPT_GRACE_SECONDS)
+        raise
     if failures:
         rank, error = failures[0]
         add_note(error, f"raised on rank {rank} of {world_size} (run_threads)")
@@ -104,3 +113,10 @@ def _join(threads: list[threading.Thread], failures: list, timeout: float) -> No
                     f"any collective (in the function passed to run_threads)"
                 ) from failures[0][1]
             thread.join(0.05)
+
+
+def _join_within(threads: list[threading.Thread], seconds: float) -> None:
+    """Wait up to `seconds` in all for `threads` to end."""
+    deadline = time.monotonic() + seconds
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))

@@ -7,6 +7,7 @@ out by timing out (or not at all) is a bug, not slowness.
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import threading
 import time
@@ -546,6 +547,31 @@ def test_run_threads_rejects_bad_configuration(kwargs: dict[str, Any], words: li
         collectives.run_threads(lambda comm: None, world_size, **kwargs)
     for word in words:
         assert word in str(caught.value), str(caught.value)
+
+
+def test_ctrl_c_in_run_threads_ends_the_ranks_collectives_at_once() -> None:
+    """Rank 0 waits in a barrier while rank 1 is busy elsewhere; Ctrl-C in the caller raised
+    KeyboardInterrupt and left rank 0 waiting out its 60 s timeout. Now its barrier fails at once."""
+    waiting, release = threading.Event(), threading.Event()
+    outcome: dict[int, BaseException] = {}
+
+    def body(comm: collectives.Communicator) -> None:
+        if comm.rank == 0:
+            waiting.set()
+            try:
+                comm.barrier()
+            except collectives.CollectiveError as error:
+                outcome[0] = error
+        else:
+            release.wait(30)  # in the rank's own code, which nothing interrupts
+
+    threading.Timer(0.0, lambda: waiting.wait(10) and _thread.interrupt_main()).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            collectives.run_threads(body, 2, timeout=60)
+        assert "interrupted" in str(outcome.get(0)), outcome
+    finally:
+        release.set()
 
 
 def test_closed_communicator_refuses_work() -> None:
