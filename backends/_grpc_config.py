@@ -45,7 +45,7 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .base import emulated_host
@@ -204,6 +204,34 @@ def parse_tf_config(text: str) -> tuple[int, tuple[str, ...], int]:
     return first_rank[kind] + index, tuple(jobs["chief"] + jobs["worker"] + jobs["ps"]), len(jobs["ps"])
 
 
+def _check_distinct(addresses: Sequence[str]) -> None:
+    """Raise ValueError naming the first two ranks whose addresses are one endpoint, also where
+    they spell it differently ("localhost:2222" and "127.0.0.1:2222"): both ranks would listen on
+    it, and a peer would reach either, which then failed as "claims to be rank ...".
+    """
+    seen: dict[tuple[str, int], int] = {}
+    for rank, address in enumerate(addresses):
+        host, port = split_address(address, what=f"address of rank {rank}")
+        endpoint = (_canonical_host(host), port)
+        if endpoint in seen:
+            first = seen[endpoint]
+            raise ValueError(
+                f"the cluster lists one address twice: rank {first} at {addresses[first]} and rank {rank} at "
+                f"{address}; give every rank its own port ({', '.join(addresses)})"
+            )
+        seen[endpoint] = rank
+
+
+def _canonical_host(host: str) -> str:
+    """One spelling per host: "localhost" as 127.0.0.1, IP addresses in their compressed form."""
+    if host.lower() == "localhost":
+        return "127.0.0.1"
+    try:
+        return ipaddress.ip_address(host).compressed
+    except ValueError:
+        return host.lower()
+
+
 def _read_pem(environ: Mapping[str, str], name: str) -> bytes | None:
     path = environ.get(name)
     if not path:
@@ -232,10 +260,7 @@ def load_config(environ: Mapping[str, str] | None = None) -> ClusterConfig:
             f"no cluster description: set {ENV_RANK}, {ENV_WORLD_SIZE} and {ENV_ADDRESSES} "
             f"(or {ENV_TF_CONFIG}) for the grpc backend"
         )
-    for index, address in enumerate(addresses):
-        split_address(address, what=f"address of rank {index}")
-    if len(set(addresses)) != len(addresses):
-        raise ValueError(f"the cluster lists an address twice: {', '.join(addresses)}")
+    _check_distinct(addresses)
 
     secret_text = env.get(ENV_SECRET)
     secret = secret_text.encode() if secret_text else None

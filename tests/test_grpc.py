@@ -84,6 +84,14 @@ def test_collectives_variables() -> None:
         ({**env_for(0, 2), "COLLECTIVES_ADDRESSES": "a:1,b"}, ["rank 1", "host:port"]),
         ({**env_for(0, 2), "COLLECTIVES_ADDRESSES": "a:1,b:70000"}, ["rank 1", "1..65535"]),
         ({**env_for(0, 2), "COLLECTIVES_ADDRESSES": "a:1,a:1"}, ["twice"]),
+        # one port spelt twice: both ranks listened on it, and a peer that reached the wrong one
+        # failed with "claims to be rank 0"
+        (
+            {**env_for(0, 3), "COLLECTIVES_ADDRESSES": "localhost:7,b:1,127.0.0.1:7"},
+            ["rank 0 at localhost:7", "rank 2"],
+        ),
+        ({**env_for(0, 2), "COLLECTIVES_ADDRESSES": "[::1]:7,[0::1]:7"}, ["twice", "[0::1]:7"]),
+        ({**env_for(0, 2), "COLLECTIVES_ADDRESSES": "HostA:7,hosta:7"}, ["twice"]),
         ({**env_for(0, 2), "COLLECTIVES_RANKS_PER_NODE": "0"}, ["COLLECTIVES_RANKS_PER_NODE", "positive integer"]),
         ({**env_for(0, 2), "COLLECTIVES_TLS_CERT": "/nonexistent.pem"}, ["COLLECTIVES_TLS_CERT", "/nonexistent.pem"]),
     ],
