@@ -5,7 +5,8 @@ Starts the ranks of a job on this machine, like `horovodrun` or `torchrun`:
 * gRPC (default): one process per rank, each given its rank, the world size, every rank's loopback
   address (free ports) and a fresh shared secret through the environment, so `collectives.init()`
   finds them. The launcher holds each port until its rank listens on it, so that no other user
-  can take it in between (`reserve_loopback_ports`);
+  can take it in between (`reserve_loopback_ports`). Each rank runs through
+  `collectives.launch_rank`, which ends it with the launcher, also a killed one;
 * MPI: hands the job to the `mpiexec` installed with the `mpi` extra, each rank run through
   `collectives.launch_rank` so that it writes whole lines, which mpiexec labels with the rank;
 * NCCL: as gRPC (which carries host buffers and NCCL's bootstrap), the ranks told to use NCCL for
@@ -43,6 +44,7 @@ from typing import IO
 from collectives.backends._grpc_config import ENV_BIND, ENV_REUSE_PORT
 from collectives.backends.base import ENV_RANKS_PER_NODE
 from collectives.bootstrap import ENV_ADDRESSES, ENV_BACKEND, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
+from collectives.launch_rank import ENV_LAUNCHER_PID
 
 _LAST_LINES = 20
 _STOP_GRACE_SECONDS = 5.0
@@ -451,7 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         print("collectives.launch: --ranks-per-node must be at least 1", file=sys.stderr)
         return 2
-    command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
+    # every rank runs through launch_rank: whole lines of output, and an end with the launcher
+    rank_command = [sys.executable, "-m", "collectives.launch_rank", *(["-m"] if args.module else []), args.script]
+    rank_command += args.args
     if args.backend == "mpi":
         mpiexec = _find_mpiexec()
         if mpiexec is None:
@@ -463,16 +467,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = dict(os.environ, **{ENV_BACKEND: "mpi"})
         if args.ranks_per_node is not None:
             env[ENV_RANKS_PER_NODE] = str(args.ranks_per_node)
-        # mpiexec labels output as each write comes: every rank writes whole lines (launch_rank)
-        rank_command = [sys.executable, "-m", "collectives.launch_rank", *command[1:]]
         return run_ranks([("", [mpiexec, "-prepend-rank", "-n", str(args.nprocs), *rank_command], env)])
     reservations = reserve_loopback_ports(args.nprocs)
     addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in reservations]
     environments = grpc_rank_environments(addresses, ranks_per_node=args.ranks_per_node, backend=args.backend)
     for env in environments:
         env[ENV_REUSE_PORT] = "1"
+        env[ENV_LAUNCHER_PID] = str(os.getpid())
     with _held_until_listening(reservations):
-        return run_ranks([(f"[{rank}] ", command, env) for rank, env in enumerate(environments)])
+        return run_ranks([(f"[{rank}] ", rank_command, env) for rank, env in enumerate(environments)])
 
 
 def grpc_rank_environments(

@@ -1,26 +1,37 @@
-"""`python -m collectives.launch_rank [-m] script [args...]`: one rank of an MPI job that
-`collectives.launch` started, run as `python [-m] script args...` would run it, its output
-line-buffered.
+"""`python -m collectives.launch_rank [-m] script [args...]`: one rank that `collectives.launch`
+started, run as `python [-m] script args...` would run it, its output line-buffered, and ended
+with the launcher.
 
 mpiexec labels a rank's output (`-prepend-rank`) piece by piece, as each write arrives, not line
 by line. A rank whose output was unbuffered wrote every argument of a `print` apart, so its lines
 reached the terminal cut up and mixed with other ranks' ("[0] 1048576[0]  [0] {'raw': ...");
-written a whole line at a time, each line is labelled once. The gRPC launch reads every rank's
-lines itself and needs none of this.
+written a whole line at a time, each line is labelled once. (The gRPC launch reads every rank's
+lines itself, whole.)
+
+A gRPC rank, the launcher's own child, is told the launcher's process id (COLLECTIVES_LAUNCHER_PID)
+and asks Linux for SIGTERM when its parent ends (PR_SET_PDEATHSIG). The launcher stops its ranks
+whenever it is asked to stop, but nothing runs in a launcher that is killed (SIGKILL, an
+out-of-memory kill): its ranks trained on, unseen, holding their ports and GPUs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import runpy
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from types import TracebackType
+
+ENV_LAUNCHER_PID = "COLLECTIVES_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
 
 
 def main(argv: Sequence[str]) -> None:
     """Run the script (or `-m` module) `argv` names with its arguments, as `__main__`."""
+    _end_with_the_launcher(os.environ)
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=False)
@@ -38,6 +49,20 @@ def main(argv: Sequence[str]) -> None:
         trace = _without_runner_frames(error.__traceback__)
         sys.excepthook(type(error), error.with_traceback(trace), trace)
         raise SystemExit(1) from None
+
+
+def _end_with_the_launcher(environ: MutableMapping[str, str]) -> None:
+    """Have this process sent SIGTERM when the launcher named in `environ` ends (Linux); exit at
+    once if it has already ended. The variable is taken out, so the rank's own children, whose
+    parent is the rank, are not told of a launcher that is not theirs."""
+    launcher = environ.pop(ENV_LAUNCHER_PID, None)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # not offered here: the launcher's own stop still works
+    if os.getppid() != int(launcher):  # it ended before the request above was in place
+        raise SystemExit(f"collectives.launch_rank: the launcher (pid {launcher}) has already exited; not starting")
 
 
 def _without_runner_frames(trace: TracebackType | None) -> TracebackType | None:

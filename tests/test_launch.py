@@ -284,6 +284,41 @@ def test_terminated_launcher_stops_its_ranks(tmp_path: Path) -> None:
     assert not [pid for pid in pids if alive(pid)], "a rank outlived the terminated launcher"
 
 
+def test_ranks_end_with_a_killed_launcher(tmp_path: Path) -> None:
+    """SIGKILL to the launcher (an out-of-memory kill, `kill -9`) runs none of its clean-up; its
+    ranks trained on by themselves. Each now ends with it, and a child a rank starts is not told
+    of the launcher."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, time\n"
+        "print('pid', os.getpid(), 'told', os.environ.get('COLLECTIVES_LAUNCHER_PID'), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "collectives.launch", "-n", "2", str(script)], stdout=subprocess.PIPE, text=True
+    )
+    pids: list[int] = []
+    try:
+        for _ in range(2):
+            words = launcher.stdout.readline().split()
+            pids.append(int(words[2]))
+            assert words[-1] == "None", words  # taken out of the rank's environment
+        launcher.kill()
+        launcher.wait(timeout=LAUNCH_TIMEOUT)
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if alive(pid)], "a rank outlived the killed launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        launcher.stdout.close()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
