@@ -56,6 +56,8 @@ EVALUATOR = "evaluator"
 _MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
 
 _default: Communicator | None = None
+_default_made_by: tuple[object, ...] | None = None
+"""The `_init_call` that made `_default`: init() called again alike returns `_default`."""
 _default_listens = False
 """Whether `_default` is a gRPC world's, listening on this rank's address: a second one
 cannot, and would fail naming nothing the caller did (`init`)."""
@@ -133,21 +135,28 @@ def init(
         The communicator; also returned by `default_communicator()` from now on. In a TF_CONFIG
         job with ``ps`` tasks it is the workers' (its `size` is the number of workers), and a
         ``ps`` task does not return: it serves, then exits the process (`collectives.ps_tasks`).
+        Called again with the same arguments and launch environment while that communicator is
+        open, init() returns it, as ``hvd.init()`` does nothing the second time: a library and
+        the script that uses it may both call it.
     """
-    global _default, _default_listens
+    global _default, _default_made_by, _default_listens
     chosen = backend if backend is not None else detect_backend(os.environ)
     if chosen is not None and chosen not in BACKENDS:
         raise ValueError(f"unknown backend {chosen!r}; expected one of {BACKENDS}")
-    host_transport = _launched_by(os.environ) if chosen == "nccl" else chosen
-    if host_transport == "grpc" and _default_listens and _default is not None and not _default.closed:
-        raise RuntimeError(
-            "collectives.init() was already called in this process and its communicator is open; a "
-            "second gRPC world cannot listen on this rank's address. Use collectives.default_communicator(), "
-            "or close() the first communicator before calling init() again"
-        )
     mode = _autotune_mode(autotune, os.environ)
     for name, count in (("segment_bytes", segment_bytes), ("device_segment_bytes", device_segment_bytes)):
         checked_count(count, name)  # before a transport listens or connects for nothing
+    call = _init_call(chosen, timeout, segment_bytes, device_segment_bytes, mode, os.environ)
+    if _default is not None and not _default.closed and call == _default_made_by:
+        return _default
+    host_transport = _launched_by(os.environ) if chosen == "nccl" else chosen
+    if host_transport == "grpc" and _default_listens and _default is not None and not _default.closed:
+        raise RuntimeError(
+            "collectives.init() was already called in this process, with other arguments or another launch "
+            "environment, and its communicator is open; a second gRPC world cannot listen on this rank's "
+            "address. Use collectives.default_communicator(), or close() the first communicator before calling "
+            "init() again"
+        )
     transport = _make_transport(chosen, timeout)
     logs.configure(transport.rank)
     _emulate_nodes(transport, os.environ)
@@ -178,8 +187,25 @@ def init(
         comm.topology.num_nodes,
         "; ".join(f"{host}: ranks {list(ranks)}" for host, ranks in zip(_node_hosts(comm), comm.topology.nodes)),
     )
-    _default, _default_listens = comm, host_transport == "grpc"
+    _default, _default_made_by, _default_listens = comm, call, host_transport == "grpc"
     return comm
+
+
+_LAUNCH_VARIABLES = ("COLLECTIVES_", "PMI_", "PMIX_", "OMPI_", "MPI_LOCALRANKID", "LOCAL_RANK", "TF_CONFIG")
+"""The prefixes of the environment variables that describe a launch (`_init_call`)."""
+
+
+def _init_call(
+    chosen: str | None,
+    timeout: float,
+    segment_bytes: int,
+    device_segment_bytes: int,
+    mode: str,
+    environ: Mapping[str, str],
+) -> tuple[object, ...]:
+    """What decides the communicator init() makes: its arguments and the launch's variables."""
+    launch = sorted((name, value) for name, value in environ.items() if name.startswith(_LAUNCH_VARIABLES))
+    return chosen, timeout, segment_bytes, device_segment_bytes, mode, tuple(launch)
 
 
 def _autotune_mode(autotune: bool | str | None, environ: Mapping[str, str]) -> str:

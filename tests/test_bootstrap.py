@@ -60,10 +60,11 @@ def test_an_evaluator_task_runs_alone_and_the_log_says_why(monkeypatch, caplog) 
     assert "names this task the evaluator" in caplog.text
 
 
-def test_a_second_init_of_an_open_grpc_world_is_refused_saying_so(monkeypatch) -> None:
-    """It tried this rank's address again: "cannot listen" here, and under the launcher (which lets
-    the rank reuse its port) "rank 0 already has its stream here". Once the first communicator is
-    closed, init() works again."""
+def test_init_called_again_alike_returns_the_open_communicator_as_hvd_init_does(monkeypatch) -> None:
+    """A second init() with the same arguments and launch, as a library and its script may both
+    make, is the first one's communicator: on gRPC it failed ("cannot listen" on the rank's own
+    address, or under the launcher "rank 0 already has its stream here"). Other arguments while
+    the first is open are refused, saying what to do; once it is closed init() makes a new one."""
     from collectives.launch import free_loopback_ports
 
     for name in ("COLLECTIVES_BACKEND", "TF_CONFIG", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"):
@@ -75,11 +76,30 @@ def test_a_second_init_of_an_open_grpc_world_is_refused_saying_so(monkeypatch) -
     monkeypatch.setattr(bootstrap, "_default", None)
     first = collectives.init(timeout=10, autotune="off")
     try:
-        with pytest.raises(RuntimeError, match="already called"):
-            collectives.init(timeout=10, autotune="off")
+        assert collectives.init(timeout=10, autotune="off") is first
+        with pytest.raises(RuntimeError, match="already called in this process, with other arguments"):
+            collectives.init(timeout=20, autotune="off")
+        assert not first.closed
     finally:
         first.close()
-    collectives.init(timeout=10, autotune="off").close()
+    second = collectives.init(timeout=10, autotune="off")
+    assert second is not first
+    second.close()
+
+
+def test_init_makes_a_new_world_when_the_launch_changed(monkeypatch) -> None:
+    """Threads (one rank) again alike: the same; another node layout: a new one."""
+    monkeypatch.delenv("COLLECTIVES_RANKS_PER_NODE", raising=False)
+    monkeypatch.setattr(bootstrap, "_default", None)
+    first = collectives.init("threads", autotune="off")
+    try:
+        assert collectives.init("threads", autotune="off") is first
+        monkeypatch.setenv("COLLECTIVES_RANKS_PER_NODE", "1")
+        other = collectives.init("threads", autotune="off")
+        assert other is not first and collectives.default_communicator() is other
+        other.close()
+    finally:
+        first.close()
 
 
 def test_unknown_backend_is_refused() -> None:
