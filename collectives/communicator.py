@@ -634,7 +634,12 @@ class Communicator:
         `$XDG_CACHE_HOME/collectives`, else ~/.cache/collectives) keyed by the topology's
         fingerprint, and reused from there by later runs with the same layout that ask for no size
         it did not measure, unless `use_cache=False`.
+
+        Raises:
+            TypeError, ValueError: a size is not a positive int (a tuning saved at size 0 broke
+                every later `auto` all-reduce that read it).
         """
+        sizes = tuple(checked_count(size, "each of tune()'s sizes") for size in sizes)
         if self.size == 1:
             return Tuning(())
         costs, tuning = load_or_measure(self, sizes, backend=self._backend, cache_dir=cache_dir, use_cache=use_cache)

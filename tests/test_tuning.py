@@ -162,13 +162,43 @@ def test_a_cache_file_of_other_json_is_ignored() -> None:
 
 
 def test_show_and_clear(tmp_path, capsys) -> None:
+    """clear deletes the scratch files of writes that never finished too."""
     (tmp_path / "tuning-0123.json").write_text("{}")
+    (tmp_path / "tuning-0123.4242.tmp").write_text("{")
     (tmp_path / "other.txt").write_text("kept")
     assert tuning.main(["show", "--dir", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
     assert "1 tuning file" in shown and "tuning-0123.json: unreadable" in shown, shown
     assert tuning.main(["clear", "--dir", str(tmp_path)]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["other.txt"]
+
+
+def test_clear_names_what_it_cannot_delete_and_deletes_the_rest(tmp_path, capsys) -> None:
+    """A file it cannot delete (here a directory by a tuning file's name; a read-only directory
+    fails alike) stopped clear with a traceback, after deleting only the files sorted before it."""
+    (tmp_path / "tuning-0.json").write_text("{}")
+    (tmp_path / "tuning-1.json").mkdir()
+    (tmp_path / "tuning-2.json").write_text("{}")
+    assert tuning.main(["clear", "--dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "cannot delete tuning-1.json" in out and "deleted tuning-2.json" in out, out
+    assert [p.name for p in tmp_path.iterdir()] == ["tuning-1.json"]
+
+
+def test_tune_refuses_sizes_that_are_not_positive_and_old_files_holding_them_are_ignored(tmp_path) -> None:
+    """tune(sizes=(0,)) saved a file whose size 0 made every later auto all-reduce that read it
+    fail with "math domain error", in that run and every later one."""
+
+    def body(comm: collectives.Communicator) -> None:
+        for sizes, error in (((0,), ValueError), ((4096, -1), ValueError), ((1.5,), TypeError)):
+            with pytest.raises(error, match="tune"):
+                comm.tune(sizes, cache_dir=tmp_path)
+
+    collectives.run_threads(body, 2)
+    assert not list(tmp_path.iterdir())
+    saved = tuning.encode(DEFAULT_LINK_COSTS, tuning.Tuning((4096,), {"ring": (1.0,)}), "fingerprint", "layout")
+    assert tuning.decode(saved, None) is not None
+    assert tuning.decode(saved.replace(b"4096", b"0"), None) is None
 
 
 def test_cache_command_runs_without_warnings(tmp_path) -> None:

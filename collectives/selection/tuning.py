@@ -13,7 +13,7 @@ every rank keeps identical numbers.
 The probed link costs and the ratios are saved as JSON under a name made from a fingerprint of
 the backend, the node layout, the segment size, the library's build (its version and a digest of
 its modules, `code_key`: a file measured by other code is never read) and rank 0's hardware
-(`hardware_key`: CPU model, core count, memory; not the host name, so identical machines share
+(`hardware_key`: CPU model, usable cores, memory; not the host name, so identical machines share
 files). Rank 0 reads and checks the file and broadcasts it, so a second run with the same layout
 starts tuned without measuring, and ranks on different machines cannot end up with different
 files' contents. Rank 0 alone writes it, through a scratch file renamed into place, so a reader
@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from collectives._version import __version__
+from collectives.backends.cpus import usable_cpus
 from collectives.core import arrays
 from collectives.core.topology import LinkCost, LinkCosts, Topology
 from collectives.selection.selector import Tuning
@@ -94,20 +95,35 @@ AUTOTUNE_MODES = ("calibrate", "tune", "off")
 quick `calibrate`, the full (cached) `tune`, or nothing (the model on default link costs)."""
 
 
+_BOOLEAN_WORDS = {"1": "tune", "true": "tune", "yes": "tune", "0": "off", "false": "off", "no": "off"}
+"""How a variable spells True and False (HOROVOD_AUTOTUNE=1 turns autotuning on)."""
+
+
 def autotune_mode(value: bool | str, source: str = "autotune") -> str:
-    """`value` as one of `AUTOTUNE_MODES` (True means "tune" and False "off", wherever an autotune
-    argument is taken); a ValueError naming `source` and the choices for anything else."""
+    """`value` as one of `AUTOTUNE_MODES`: True means "tune" and False "off", wherever an autotune
+    argument is taken, and so do their spellings in a variable (1, true, yes; 0, false, no), in
+    any case, as the modes' names are; a ValueError naming `source` and the choices for anything
+    else."""
     if value is True or value is False:
         return "tune" if value else "off"
-    if isinstance(value, str) and value in AUTOTUNE_MODES:
-        return value
-    raise ValueError(f"{source}={value!r} is not an autotune mode; expected one of {AUTOTUNE_MODES}, True or False")
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in AUTOTUNE_MODES:
+            return word
+        if word in _BOOLEAN_WORDS:
+            return _BOOLEAN_WORDS[word]
+    raise ValueError(
+        f"{source}={value!r} is not an autotune mode; expected one of {AUTOTUNE_MODES}, or True/False "
+        f"(1/0, true/false, yes/no)"
+    )
 
 
 ENV_TUNING_DIR = "COLLECTIVES_TUNING_DIR"
 """Where tuning files live, above $XDG_CACHE_HOME/collectives and ~/.cache/collectives."""
 
 CACHE_GLOB = "tuning-*.json"
+SCRATCH_GLOB = "tuning-*.tmp"
+"""Scratch files of writes that never finished (`_write_atomically`): `clear` deletes them too."""
 
 
 def default_cache_dir() -> Path:
@@ -124,8 +140,9 @@ def cache_file(directory: str | os.PathLike, fingerprint: str) -> Path:
 
 @functools.cache
 def hardware_key() -> str:
-    """This machine's hardware as a tuning file's key knows it: CPU model, logical cores, memory
-    in GiB (a different machine of the same kind shares the files; another kind does not)."""
+    """This machine's hardware as a tuning file's key knows it: CPU model, the cores this process
+    may use (its affinity and cgroup quota: thread ranks on one core time unlike on two), memory in
+    GiB (a different machine of the same kind shares the files; another kind does not)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
@@ -136,7 +153,7 @@ def hardware_key() -> str:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     except (ValueError, OSError, AttributeError):
         memory = 0.0
-    return f"{model}|{os.cpu_count()} cores|{round(memory)} GiB"
+    return f"{model}|{usable_cpus()} cores|{round(memory)} GiB"
 
 
 @functools.cache
@@ -345,29 +362,44 @@ def decode(data: bytes, fingerprint: str | None) -> tuple[LinkCosts, Tuning] | N
             measured=c["measured"],
         )
         t = record["tuning"]
-        tuning = Tuning(tuple(t["sizes"]), {a: tuple(r) for a, r in t["ratios"].items()})
-    except (ValueError, KeyError, TypeError):
+        sizes = tuple(t["sizes"])
+        if not all(type(size) is int and size > 0 for size in sizes):  # a file from before sizes were checked
+            return None
+        tuning = Tuning(sizes, {a: tuple(r) for a, r in t["ratios"].items()})
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
     return costs, tuning
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m collectives.selection show|clear [--dir DIR]`: list or delete tuning files."""
+    """`python -m collectives.selection show|clear [--dir DIR]`: list or delete tuning files.
+    Exits 1 where a file could not be deleted (each is named, and the rest are deleted)."""
     parser = argparse.ArgumentParser(prog="python -m collectives.selection", description=main.__doc__)
     parser.add_argument("action", choices=("show", "clear"))
-    parser.add_argument("--dir", type=Path, default=None, help="default: where the library looks (see above)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help=f"default: ${ENV_TUNING_DIR}, else $XDG_CACHE_HOME/collectives, else ~/.cache/collectives",
+    )
     args = parser.parse_args(argv)
     directory = args.dir if args.dir is not None else default_cache_dir()
     files = sorted(directory.glob(CACHE_GLOB))
     print(f"{directory}: {len(files)} tuning file(s); this machine: {hardware_key()}")
-    for path in files:
-        if args.action == "clear":
+    if args.action == "show":
+        for path in files:
+            print(f"  {path.name}: {_summary(path)}")
+        return 0
+    failed = 0
+    for path in [*files, *sorted(directory.glob(SCRATCH_GLOB))]:
+        try:
             path.unlink(missing_ok=True)
+        except OSError as error:
+            failed += 1
+            print(f"  cannot delete {path.name} ({error.strerror or error})")
+        else:
             print(f"  deleted {path.name}")
-            continue
-        record = _summary(path)
-        print(f"  {path.name}: {record}")
-    return 0
+    return 1 if failed else 0
 
 
 def _summary(path: Path) -> str:
