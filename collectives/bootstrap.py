@@ -25,13 +25,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from collectives import logs, ps_tasks, timeline
+from collectives import logs, ps_tasks
 from collectives.arguments import checked_count
 from collectives.backends.base import Transport, emulated_host
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
 from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES
 from collectives.selection.tuning import autotune_mode
-from collectives.timeline import ENV_TIMELINE
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +169,11 @@ def init(
         comm.tune()
     elif mode == "calibrate":
         comm.calibrate()
-    if os.environ.get(ENV_TIMELINE):
+    # imported here: `python -m collectives.timeline` runs that module as __main__, and Python
+    # warns when the package's import has imported it first
+    from collectives import timeline
+
+    if os.environ.get(timeline.ENV_TIMELINE):
         timeline.synchronize_clocks(comm)  # before any trace event, so every rank's events share rank 0's clock
     if chosen is None:
         log.info("collectives: %s; running as a single rank", _why_single(os.environ))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import threading
 import time
 import weakref
@@ -142,9 +143,10 @@ class Timeline:
             "tid": self._track(category),
             "args": args,
         }
+        line = json.dumps(event, default=_json_scalar)  # first: an argument JSON cannot hold raises, recording nothing
         with self._lock:
             self.events.append(event)
-            self._write(event)
+            self._write_line(line)
 
     def close(self) -> None:
         """End the file with its closing bracket, making it strict JSON; later events are dropped."""
@@ -164,11 +166,21 @@ class Timeline:
         return tid
 
     def _write(self, event: dict) -> None:
+        self._write_line(json.dumps(event))
+
+    def _write_line(self, line: str) -> None:
         if self._file is None:
             return
-        self._file.write(self._separator + json.dumps(event))
+        self._file.write(self._separator + line)
         self._file.flush()
         self._separator = ",\n"
+
+
+def _json_scalar(value: object) -> object:
+    """A numpy scalar among an event's arguments (a step count from an array, say) as JSON's."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"a timeline event's arguments must be JSON values, got {type(value).__name__}: {value!r}")
 
 
 def _metadata(kind: str, pid: int, tid: int, **args: object) -> dict:
@@ -182,10 +194,15 @@ def _close_file(trace: IO[str]) -> None:
         trace.close()
 
 
+_RANK_FIELD = re.compile(r"\{rank(?::([^{}]*))?\}")
+"""`{rank}` in a timeline path, with a format spec or not (`{rank:02d}`)."""
+
+
 def rank_path(path: str, rank: int, size: int) -> str:
-    """The file rank `rank` writes for the user-given `path`."""
-    if "{rank}" in path:
-        return path.format(rank=rank)
+    """The file rank `rank` writes for the user-given `path`: each `{rank}` (or `{rank:02d}`)
+    replaced, other braces left as they are; else `.rank<N>` added where there are several ranks."""
+    if _RANK_FIELD.search(path):
+        return _RANK_FIELD.sub(lambda field: format(rank, field.group(1) or ""), path)
     if size == 1:
         return path
     stem, extension = os.path.splitext(path)
@@ -223,23 +240,42 @@ def merge(paths: Sequence[str | os.PathLike], output: str | os.PathLike) -> int:
 
 
 def hidden_fraction(events: Iterable[dict], step: int | None = None) -> float:
-    """Share of communication time that overlapped backprop (of the same step, or of all steps).
+    """Share of communication time that overlapped its own rank's backprop (of the same step, or of
+    all steps).
 
-    Events are those of `Timeline` (from `Timeline.events` or `load_trace(path)`); each carries its step
-    number in `args["step"]`. Returns 0.0 when there was no communication.
+    Events are those of `Timeline` (from `Timeline.events`, or `load_trace(path)` of one rank's file
+    or of a `merge` of several); each carries its rank as `pid` and its step number in
+    `args["step"]`. A rank's communication counts as hidden while any of its backprop intervals
+    runs, once however many overlap (in a merged trace, another rank's backprop counted too, and
+    the share reached 2.0 with two ranks). Returns 0.0 when there was no communication.
     """
     chosen = [e for e in events if e["ph"] == "X" and (step is None or e.get("args", {}).get("step") == step)]
-    backprop = [_interval(e) for e in chosen if e["cat"] == BACKPROP]
-    communication = [_interval(e) for e in chosen if e["cat"] == COMMUNICATION]
-    total = sum(end - start for start, end in communication)
+    backprop: dict[object, list[tuple[float, float]]] = {}
+    for event in chosen:
+        if event["cat"] == BACKPROP:
+            backprop.setdefault(event.get("pid"), []).append(_interval(event))
+    running = {pid: _union(intervals) for pid, intervals in backprop.items()}
+    communication = [(e.get("pid"), _interval(e)) for e in chosen if e["cat"] == COMMUNICATION]
+    total = sum(end - start for _, (start, end) in communication)
     if total <= 0:
         return 0.0
-    hidden = sum(_overlap(interval, backprop) for interval in communication)
+    hidden = sum(_overlap(interval, running.get(pid, [])) for pid, interval in communication)
     return hidden / total
 
 
 def _interval(event: dict) -> tuple[float, float]:
     return event["ts"], event["ts"] + event["dur"]
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The same time as `intervals`, as disjoint intervals in order."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _overlap(interval: tuple[float, float], others: Sequence[tuple[float, float]]) -> float:

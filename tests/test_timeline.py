@@ -11,17 +11,57 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import test_launch
 
 from collectives import run_threads, timeline
-from collectives.timeline import ClockSync, Timeline, hidden_fraction, load_trace, merge, rank_path
+from collectives.timeline import (
+    BACKPROP,
+    COMMUNICATION,
+    ClockSync,
+    Timeline,
+    hidden_fraction,
+    load_trace,
+    merge,
+    rank_path,
+)
 
 
 def test_rank_paths() -> None:
+    """A format spec is honoured, other braces kept (they raised KeyError)."""
     assert rank_path("t.json", 0, 1) == "t.json"
     assert rank_path("t.json", 2, 4) == "t.rank2.json"
     assert rank_path("t-{rank}.json", 3, 4) == "t-3.json"
+    assert rank_path("t{rank:02d}.json", 3, 4) == "t03.json"
+    assert rank_path("t-{rank}-{host}.json", 1, 2) == "t-1-{host}.json"
+
+
+def test_an_argument_json_cannot_hold_records_nothing_and_numpy_scalars_are_held(tmp_path: Path) -> None:
+    """step=np.int64(1) raised TypeError after the event was in `events` but not in the file."""
+    trace = Timeline(tmp_path / "t.json", rank=0, size=1, clock=ClockSync(origin=0.0))
+    trace.record("bucket 0", COMMUNICATION, 1.0, 2.0, step=np.int64(1), fraction=np.float32(0.5))
+    with pytest.raises(TypeError, match="JSON values"):
+        trace.record("bucket 1", COMMUNICATION, 2.0, 3.0, step=object())
+    trace.close()
+    spans = [e for e in load_trace(tmp_path / "t.json") if e["ph"] == "X"]
+    assert [(e["name"], e["args"]) for e in spans] == [("bucket 0", {"step": 1, "fraction": 0.5})]
+    assert [e["name"] for e in trace.events] == ["bucket 0"]
+
+
+def test_hidden_fraction_of_a_merged_trace_counts_each_rank_against_its_own_backprop(tmp_path: Path) -> None:
+    """Two ranks, each hiding its bucket entirely: the merged trace said 2.0 (each bucket counted
+    against both ranks' backprop). Overlapping backprop intervals of one rank count once."""
+    paths = []
+    for rank in range(2):
+        trace = Timeline(tmp_path / "t.json", rank=rank, size=2, clock=ClockSync(origin=0.0))
+        trace.record("backprop", BACKPROP, 1.000, 1.010, step=1)
+        trace.record("backprop again", BACKPROP, 1.001, 1.009, step=1)
+        trace.record("bucket 0", COMMUNICATION, 1.002, 1.008, step=1)
+        trace.close()
+        paths.append(trace.path)
+    merge(paths, tmp_path / "all.json")
+    assert hidden_fraction(load_trace(tmp_path / "all.json")) == pytest.approx(1.0)
 
 
 def test_trace_names_its_process_and_tracks_and_is_strict_json_once_closed(tmp_path: Path) -> None:
@@ -97,12 +137,12 @@ def test_merge_puts_every_rank_in_one_valid_file(tmp_path: Path) -> None:
     paths = [_write_rank_trace(tmp_path, 0, 2.0), _write_rank_trace(tmp_path, 1, 1.0)]
     merged = tmp_path / "all.json"
     result = subprocess.run(
-        [sys.executable, "-m", "collectives.timeline", "merge", "-o", str(merged), *map(str, paths)],
+        [sys.executable, "-W", "error", "-m", "collectives.timeline", "merge", "-o", str(merged), *map(str, paths)],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0 and not result.stderr, result.stderr  # it warned: imported twice
     events = json.loads(merged.read_text())
     kinds = [e["ph"] for e in events]
     assert kinds == sorted(kinds, key=lambda ph: ph != "M"), "metadata first"
