@@ -8,6 +8,10 @@ state, so a checkpoint of the optimizer is the same with and without accumulatio
 accumulated step is not saved, as in Horovod).
 
 Sparse gradients (`tf.IndexedSlices`) are added into dense accumulators, so they travel dense.
+A variable that got no gradient in any pass of the step is handed on as None, as it would be
+without accumulation: a zero sum would let weight decay shrink it and momentum move it. Eagerly
+each pass is looked at; in a `tf.function` which gradients are None is fixed when it is traced, so
+the N-th pass's say.
 Everything is written in TensorFlow ops (`tf.cond` on a pass counter), so one code path runs
 eagerly and inside `tf.function`; every rank counts the same passes, so every rank takes the same
 branch and the collectives inside it line up.
@@ -41,6 +45,8 @@ class LocalAccumulation:
         self._variables: list[Any] = []
         self._sums: list[Any] = []
         self._counter: Any = None
+        self._received: set[int] = set()
+        """Eagerly: the variables that got a gradient in a pass of the step so far."""
 
     def build(self, variables: Sequence[Any]) -> None:
         """Make one zeroed sum per variable (outside any `tf.function`, whose graphs cannot
@@ -78,15 +84,24 @@ class LocalAccumulation:
         ]
         with tf.control_dependencies(updates):
             count = self._counter.assign_add(1)
+        eager = tf.executing_eagerly()
+        given = {index for index, gradient in enumerate(gradients) if gradient is not None}
+        if eager:
+            self._received |= given
+        received = self._received if eager else given
 
         def step() -> Any:
             # Inside tf.function stateful ops run in program order: the sums are read by `apply`
             # before they are zeroed.
-            sums = [total.read_value() for total in self._sums]
-            apply([total / tf.cast(self.passes, total.dtype) for total in sums] if self.average else sums)
+            sums = [total.read_value() if index in received else None for index, total in enumerate(self._sums)]
+            if self.average:
+                sums = [None if total is None else total / tf.cast(self.passes, total.dtype) for total in sums]
+            apply(sums)
             for total in self._sums:
                 total.assign(tf.zeros_like(total))
             self._counter.assign(0)
+            if eager:
+                self._received = set()
             return tf.constant(True)
 
         tf.cond(tf.equal(count, self.passes), step, lambda: tf.constant(False))

@@ -96,6 +96,39 @@ def test_accumulation_applies_every_nth_call_and_refuses_other_variables() -> No
     run_threads(body, 1, timeout=60)
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_accumulation_keeps_a_variable_without_gradients_untouched(traced: bool) -> None:
+    """`b` has no gradient: with backward_passes_per_step=2 its zero sum was applied, so weight
+    decay shrank it (to 0.9025 in 4 calls) as it does not without accumulation. Eagerly, a
+    gradient in either pass of a step counts; traced, the None pattern is the function's."""
+    import keras
+    import tensorflow as tf
+
+    from collectives.strategies import DistributedOptimizer
+
+    def body(comm: collectives.Communicator) -> tuple[list[float], list[float], list[float]]:
+        a, b, c = (keras.Variable(np.ones(2, np.float32), name=name) for name in "abc")
+        optimizer = DistributedOptimizer(
+            keras.optimizers.SGD(0.1, weight_decay=0.5), comm=comm, backward_passes_per_step=2
+        )
+        optimizer.build([a, b, c])
+        ones = tf.ones(2)
+
+        def apply(gradients: list) -> None:
+            optimizer.apply(gradients, [a, b, c])
+
+        if traced:
+            apply = tf.function(apply)
+        for call in range(4):
+            late = ones if not traced and call % 2 == 1 else None  # c: a gradient in the second pass only
+            apply([ones, None, late])
+        return a.numpy().tolist(), b.numpy().tolist(), c.numpy().tolist()
+
+    for a, b, c in run_threads(body, 2, timeout=60):
+        assert a[0] < 0.8 and b == [1.0, 1.0], (a, b)
+        assert (c == [1.0, 1.0]) if traced else c[0] < 0.9, c
+
+
 def test_a_saved_model_loads_with_the_plain_optimizer_and_its_state(tmp_path: Path) -> None:
     """`model.save` records the base optimizer: loading gives the same weights, and with
     `compile=True` a plain Adam holding the trained optimizer state, ready to be wrapped again."""
