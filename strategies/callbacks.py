@@ -93,15 +93,21 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 
 def average_logs(logs: dict[str, Any], comm: Communicator) -> None:
-    """Replace every value in `logs` by its mean over the ranks, in place (names in sorted order,
-    so every rank reduces the same list)."""
+    """Replace every value in `logs` by its mean over the ranks, in place, in one all-reduce
+    (names in sorted order, so every rank reduces the same list). A scalar comes back as a
+    float; a metric with a value per class (`F1Score(average=None)`) as a float64 array of its
+    shape, which the ranks check they agree on with the names."""
     names = sorted(logs)
     if comm.size == 1:
         return
-    check_same_everywhere(comm, names, "metric names")
-    values = np.array([float(logs[name]) for name in names], dtype=np.float64)
-    for name, value in zip(names, comm.allreduce(values, op="mean")):
-        logs[name] = float(value)
+    values = [np.asarray(logs[name], dtype=np.float64) for name in names]
+    check_same_everywhere(comm, [f"{name} {value.shape}" for name, value in zip(names, values)], "metric names")
+    averaged = comm.allreduce(np.concatenate([value.reshape(-1) for value in values]), op="mean")
+    offset = 0
+    for name, value in zip(names, values):
+        mean = averaged[offset : offset + value.size].reshape(value.shape)
+        logs[name] = float(mean) if value.ndim == 0 else mean
+        offset += value.size
 
 
 class LearningRateWarmupCallback(keras.callbacks.Callback):

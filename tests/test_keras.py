@@ -298,6 +298,20 @@ def test_metric_average_gives_every_rank_the_mean_of_the_ranks_logs() -> None:
     assert len({logs[0]["loss"] for logs, _ in results}) == 3
 
 
+def test_metric_average_averages_a_metric_with_a_value_per_class() -> None:
+    """F1Score(average=None) logs an array: float() of it raised TypeError on every rank."""
+    from collectives.strategies.callbacks import average_logs
+
+    def body(comm: collectives.Communicator) -> dict:
+        logs = {"f1_score": np.array([0.2, 0.4, 0.6]) * (comm.rank + 1), "loss": float(comm.rank)}
+        average_logs(logs, comm)
+        return logs
+
+    for logs in run_threads(body, 2, timeout=60):
+        np.testing.assert_allclose(logs["f1_score"], [0.3, 0.6, 0.9])
+        assert logs["f1_score"].shape == (3,) and logs["loss"] == 0.5 and type(logs["loss"]) is float
+
+
 # -- whole fit runs in real processes ---------------------------------------------------------------
 # Their TMPDIR is the test's own directory, so what they leave there goes with it.
 
