@@ -10,8 +10,10 @@ copies it into its bucket and may start the bucket's all-reduce) before backprop
 The reads are substituted with Keras 3's `StatelessScope`, the mechanism Keras itself uses for
 stateless calls: inside it, every read of a mapped `keras.Variable` returns the hooked tensor.
 Variable updates made inside the forward pass (BatchNorm statistics, random seeds) are recorded by
-the scope and applied when it closes. Plain `tf.Variable`s cannot be redirected; for those the
-tape falls back to aggregating after backprop.
+the scope and applied when it closes; losses the layers add (activity regularizers) are collected
+by it, so `model.losses` holds them inside the `with tape:` block, where the loss is computed.
+Plain `tf.Variable`s cannot be redirected; for those the tape falls back to aggregating after
+backprop.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ class GradientHooks:
             """Records the variables assigned inside, so that their updates can be applied."""
 
             def __init__(self, state_mapping: list[tuple[Any, Any]]) -> None:
-                super().__init__(state_mapping=state_mapping)
+                # losses added in the forward pass (activity regularizers) are kept: without
+                # collect_losses a stateless scope drops them, and `model.losses` came back empty
+                super().__init__(state_mapping=state_mapping, collect_losses=True)
                 self.updated: dict[int, Any] = {}
 
             def add_update(self, update: tuple[Any, Any]) -> None:

@@ -444,6 +444,34 @@ def test_eager_hooks_hand_gradients_over_during_backprop(tmp_path: Path) -> None
 
 
 @needs_tf
+def test_hooked_steps_keep_the_losses_layers_add() -> None:
+    """An activity regularizer's loss was in `model.losses` on the first step only: the hooked
+    steps' forward pass dropped it, and their loss and gradients changed (324 -> 4)."""
+    import keras
+    import tensorflow as tf
+
+    from collectives.strategies import DistributedGradientTape
+
+    def body(comm: collectives.Communicator) -> list[tuple[int, float, float]]:
+        layer = keras.layers.Dense(2, activity_regularizer=keras.regularizers.L2(10.0))
+        model = keras.Sequential([keras.Input((3,)), layer])
+        for variable in model.weights:
+            variable.assign(np.ones(variable.shape, np.float32))
+        tape = DistributedGradientTape(model=model, comm=comm)
+        steps = []
+        for _ in range(3):
+            with tape:
+                loss = tf.reduce_mean(model(tf.ones((4, 3)))) + sum(model.losses)
+                regularizers = len(model.losses)
+            gradients = tape.gradient(loss, model.trainable_variables)
+            steps.append((regularizers, float(loss), float(gradients[0][0, 0])))
+        return steps
+
+    for steps in run_threads(body, 2, timeout=60):
+        assert steps == [(1, 324.0, 80.5)] * 3, steps
+
+
+@needs_tf
 def test_missing_tensorflow_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from collectives.strategies import _tensorflow
 
