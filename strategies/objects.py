@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from collectives import Communicator
+from collectives.arguments import checked_root
 
 from ._tensorflow import communicator
 from .uneven import allgather_rows
@@ -23,6 +24,7 @@ from .uneven import allgather_rows
 def broadcast_object(obj: Any, root_rank: int = 0, comm: Communicator | None = None) -> Any:
     """Rank `root_rank`'s `obj` on every rank (the others' `obj` is ignored; pass None there)."""
     comm = communicator(comm)
+    root_rank = checked_root(root_rank, comm.size)  # in a world of one too, before a job is scaled out
     if comm.size == 1:
         return obj
     payload = _pickled(obj, comm.rank) if comm.rank == root_rank else np.empty(0, dtype=np.uint8)

@@ -50,6 +50,13 @@ def test_objects_of_different_sizes_reach_every_rank(world_size: int) -> None:
         assert broadcast["rank"] == root and broadcast["text"] == _object_of(root)["text"]
 
 
+def test_a_root_outside_the_world_is_refused_in_a_world_of_one_too() -> None:
+    """broadcast_object(5, root_rank=3) returned 5 with one rank: the mistake showed only once
+    the job was scaled out."""
+    with pytest.raises(ValueError, match="root must be a rank in 0..0, got 3"):
+        run_threads(lambda comm: broadcast_object(5, root_rank=3, comm=comm), 1, timeout=20)
+
+
 def test_an_unpicklable_object_is_a_type_error_naming_the_rank() -> None:
     def body(comm: collectives.Communicator) -> None:
         with pytest.raises(TypeError, match=f"rank {comm.rank}: cannot pickle"):
