@@ -41,7 +41,7 @@ from collectives.backends.simulated import Link
 from collectives.backends.threads import ThreadTransport
 from collectives.core.ops import ReduceOp
 
-from .measure import DEVICES, FIXED_ALGORITHM, SweepSpec
+from .measure import DEVICES, FIXED_ALGORITHM, SweepSpec, element_count
 from .payloads import COLLECTIVES, REDUCING, check_exact
 from .raw import RAW, RAW_AGREED, agreed_row_fits, raw_row_fits
 from .scaling import PRESETS
@@ -66,7 +66,7 @@ def parse_size(text: str) -> int:
     number = text[: len(text) - len(unit)]
     try:
         value = int(float(number) * _UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # "inf" overflows int()
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4K, 64M or 1048576)") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"size must not be negative, got {text!r}")
@@ -85,6 +85,21 @@ def size_range(begin: int, end: int, factor: int) -> list[int]:
     if not sizes:
         raise UsageError(f"no sizes between -b {begin} and -e {end}")
     return sizes
+
+
+_NCCL_TESTS_DTYPES = {"half": "float16", "float": "float32", "double": "float64"}
+"""nccl-tests' names of the dtypes that differ from numpy's (where `float` is float64)."""
+
+
+def parse_dtype(text: str) -> str:
+    """A dtype of `REDUCTION_DTYPES` by its name, or by nccl-tests' (half, float, double), as its
+    numpy name; any other spelling is refused, since numpy's own aliases mean other types
+    (its `float` is float64)."""
+    name = _NCCL_TESTS_DTYPES.get(text.strip().lower(), text.strip().lower())
+    if name not in {dtype.name for dtype in REDUCTION_DTYPES}:
+        names = ", ".join([*(d.name for d in REDUCTION_DTYPES), *_NCCL_TESTS_DTYPES])
+        raise argparse.ArgumentTypeError(f"not a dtype here: {text!r}; expected one of {names}")
+    return name
 
 
 def _int_list(text: str) -> list[int]:
@@ -162,7 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a list such as 1,2 measures each",
     )
     parser.add_argument(
-        "-d", "--dtype", default="float32", help=f"one of {', '.join(d.name for d in REDUCTION_DTYPES)}"
+        "-d",
+        "--dtype",
+        type=parse_dtype,
+        default="float32",
+        help=f"one of {', '.join(d.name for d in REDUCTION_DTYPES)}, or nccl-tests' half, float, double",
     )
     parser.add_argument(
         "-o", "--op", default=None, help="sum, prod, max, min or mean (reducing collectives; default sum)"
@@ -170,7 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-r", "--root", type=int, default=0, help="broadcast root (default 0)")
     parser.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations per algorithm and placement")
     parser.add_argument("-i", "--iters", type=int, default=9, help="timed iterations per algorithm and placement")
-    parser.add_argument("--explain", action="store_true", help="add the model's prediction and auto's choice")
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="instead of the table: each out-of-place time beside the model's prediction, and auto's choice",
+    )
     parser.add_argument("--probe", action="store_true", help="probe the links first (comm.probe()); implies --no-tune")
     parser.add_argument(
         "--tune",
@@ -288,20 +311,13 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         known.add(RAW)
     if agreed_row_fits(args.backend, device, collective, args.op or "sum", args.dtype):
         known.add(RAW_AGREED)
-    algorithms = asked_algorithms(args, ranks, known) or default
+    algorithms = asked_algorithms(args, ranks, known, default)
     if NATIVE in algorithms and args.backend not in _NATIVE_BACKENDS:
         raise UsageError(f"algorithm {NATIVE!r} needs --backend threads, mpi or nccl")
     if NATIVE in algorithms and not _native_fits(args.backend, args.dtype):
         known_dtypes = ", ".join(d.name for d in ThreadTransport.native_dtypes)
         raise UsageError(f"algorithm {NATIVE!r} on threads reduces {known_dtypes}, not {args.dtype}")
-    try:
-        dtype = np.dtype(args.dtype)
-    except TypeError:
-        raise UsageError(f"unknown dtype {args.dtype!r}") from None
-    if dtype not in REDUCTION_DTYPES:
-        raise UsageError(
-            f"dtype {dtype} is not supported; expected one of {', '.join(d.name for d in REDUCTION_DTYPES)}"
-        )
+    dtype = np.dtype(args.dtype)  # one of REDUCTION_DTYPES (`parse_dtype`)
     if args.op is not None and collective not in REDUCING:
         raise UsageError(f"{collective} takes no reduction op (-o is for {' and '.join(REDUCING)})")
     try:
@@ -318,9 +334,13 @@ def sweep_spec(args: argparse.Namespace, ranks: int) -> SweepSpec:
         check_exact(collective, op, ranks, dtype)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    requested = size_range(args.minbytes, args.maxbytes, args.stepfactor)
+    # whole elements (p of them for reduce-scatter and all-gather): sizes below that would
+    # measure a size already measured, and show it twice
+    measured = (element_count(collective, size, dtype.itemsize, ranks) * dtype.itemsize for size in requested)
     return SweepSpec(
         collective=collective,
-        sizes=tuple(size_range(args.minbytes, args.maxbytes, args.stepfactor)),
+        sizes=tuple(dict.fromkeys(measured)),
         algorithms=algorithms,
         dtype=dtype.name,
         op=op.value,
@@ -345,10 +365,13 @@ def checked_device(args: argparse.Namespace) -> str:
     return device
 
 
-def asked_algorithms(args: argparse.Namespace, ranks: int, known: set[str]) -> tuple[str, ...]:
-    """The algorithms of -a (none if not given), each checked against `known`, with parameter_server
-    replaced by its variant for each of --num-servers."""
-    algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip()) if args.algorithms else ()
+def asked_algorithms(
+    args: argparse.Namespace, ranks: int, known: set[str], default: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """The algorithms of -a, once each (`default` if not given), each checked against `known`,
+    with parameter_server replaced by its variant for each of --num-servers."""
+    given = (a.strip() for a in args.algorithms.split(",") if a.strip()) if args.algorithms else ()
+    algorithms = tuple(dict.fromkeys(given)) or default  # "ring,ring" timed the ring twice per iteration
     unknown = [a for a in algorithms if a not in known]
     if unknown:
         raise UsageError(
@@ -381,8 +404,18 @@ def tunes(args: argparse.Namespace, spec: SweepSpec) -> bool:
     return spec.collective == "allreduce" and "auto" in spec.algorithms and not args.probe
 
 
-def ranks_per_node(args: argparse.Namespace) -> int | list[int] | None:
-    """The node layout: an int (nodes of that many ranks), node sizes (threads only) or None."""
+def ranks(args: argparse.Namespace) -> int:
+    """The number of ranks: -n, else 4 on threads and 2 elsewhere."""
+    if args.ranks is None:
+        return 4 if args.backend == "threads" else 2
+    if args.ranks < 1:
+        raise UsageError(f"-n must be at least 1, got {args.ranks}")
+    return args.ranks
+
+
+def ranks_per_node(args: argparse.Namespace, world_size: int) -> int | list[int] | None:
+    """The node layout of `world_size` ranks: an int (nodes of that many ranks), node sizes
+    (threads only, summing to the world size) or None."""
     if args.ranks_per_node is None:
         return 2 if args.backend == "threads" else None
     sizes = args.ranks_per_node
@@ -390,4 +423,7 @@ def ranks_per_node(args: argparse.Namespace) -> int | list[int] | None:
         return sizes[0]
     if args.backend != "threads":
         raise UsageError("a list of node sizes works on the threads backend only; give one number of ranks per node")
+    if sum(sizes) != world_size:
+        listed = ",".join(map(str, sizes))
+        raise UsageError(f"--ranks-per-node {listed} places {sum(sizes)} ranks, but -n is {world_size}")
     return sizes

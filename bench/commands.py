@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ from .cli import (
     build_parser,
     build_scaling_parser,
     checked_device,
+    ranks,
     ranks_per_node,
     size_range,
     sweep_spec,
@@ -41,8 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["scaling"]:
-            return scaling_command(_plottable(build_scaling_parser().parse_args(argv[1:])))
-        args = _plottable(build_parser().parse_args(argv))
+            return scaling_command(_writable(_plottable(build_scaling_parser().parse_args(argv[1:]))))
+        args = _writable(_plottable(build_parser().parse_args(argv)))
         if args.emulate_nodes is not None and not args.worker_output:
             args = netns.resolve_arguments(args)
         if args.backend == "simulated":
@@ -67,11 +69,24 @@ def _plottable(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _writable(args: argparse.Namespace) -> argparse.Namespace:
+    """`args`, after checking that the files of --csv, --json and --plot can be written (a path in
+    a missing directory failed with a traceback once the whole sweep had run)."""
+    for option in ("csv", "json", "plot"):
+        path = getattr(args, option, None)
+        if path is None:
+            continue
+        directory = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+            raise UsageError(f"--{option} {path}: cannot write there (no such directory, not writable, or a directory)")
+    return args
+
+
 def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Measure, print the table, write the files asked for; 1 if any result was wrong."""
-    ranks = args.ranks or (4 if args.backend == "threads" else 2)
-    layout = ranks_per_node(args)
-    spec = sweep_spec(args, ranks)
+    world_size = ranks(args)
+    layout = ranks_per_node(args, world_size)
+    spec = sweep_spec(args, world_size)
     tune = tunes(args, spec)
     sweep = rank_sweep(spec, tune=tune, probe=args.probe, progress=args.progress)
     if args.worker_output:
@@ -80,7 +95,7 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         f" {spec.op}" if spec.collective in ("allreduce", "reduce_scatter") else ""
     )
     header = (
-        f"{what}{' on the GPU' if spec.device == 'cuda' else ''}, {args.backend} backend, {ranks} ranks"
+        f"{what}{' on the GPU' if spec.device == 'cuda' else ''}, {args.backend} backend, {world_size} ranks"
         f"{f', {layout} per node' if layout else ''}"
         f"{f' on {args.emulate_nodes} emulated nodes, links {args.inter_gbit:g} Gbit/s' if args.emulate_nodes else ''}"
         f";\n# time = median over {spec.iterations} "
@@ -99,11 +114,11 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
         header += f";\n# auto = {how}"
     print(f"# {header}")
     if args.backend == "threads":
-        result: SweepResult | None = on_threads(sweep, ranks, layout)
+        result: SweepResult | None = on_threads(sweep, world_size, layout)
     elif args.emulate_nodes is not None:
         result = netns.run_on_emulated_nodes(args, argv)
     else:
-        result = in_processes(args.backend, ranks, layout, argv)  # type: ignore[arg-type]
+        result = in_processes(args.backend, world_size, layout, argv)  # type: ignore[arg-type]
     if result is None:
         return 1
     print(format_explained(result) if args.explain else format_table(result))
@@ -112,7 +127,7 @@ def sweep_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     parameters = {
         **dataclasses.asdict(spec),
         "backend": args.backend,
-        "ranks": ranks,
+        "ranks": world_size,
         "ranks_per_node": layout,
         "probe": args.probe,
         "tune": tune,
@@ -143,6 +158,15 @@ def simulated_command(args: argparse.Namespace) -> int:
     if args.collective != "allreduce":
         raise UsageError("--backend simulated compares all-reduce algorithms only")
     checked_device(args)
+    ignored = [f"--{option}" for option in ("csv", "json", "plot") if getattr(args, option)]
+    if args.ranks is not None:
+        ignored.append("-n (the cluster is --nodes x --ranks-per-node)")
+    if ignored:
+        raise UsageError(f"--backend simulated prints its table only; it takes no {', '.join(ignored)}")
+    if args.nodes < 1:
+        raise UsageError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.ranks_per_node is not None and len(args.ranks_per_node) > 1:
+        raise UsageError("--backend simulated takes one number of ranks per node, not a list")
     if args.grid:
         print(
             f"# the selector's validation grid: sizes {GRID_SIZES[0]} .. {GRID_SIZES[-1]} bytes (x4), every "
@@ -155,11 +179,11 @@ def simulated_command(args: argparse.Namespace) -> int:
         cluster = Cluster(
             args.nodes, per_node, args.intra, args.inter, nic_bandwidth=args.nic * 1e9, gamma=1 / (args.gamma * 1e9)
         )
-        print(f"# all-reduce on a simulated cluster of {args.nodes} x {per_node} ranks (virtual time)")
         sizes = size_range(args.minbytes, args.maxbytes, args.stepfactor)
+        asked = asked_algorithms(args, cluster.size, {"auto", *allreduce_algorithms()})  # checked before the table
+        print(f"# all-reduce on a simulated cluster of {args.nodes} x {per_node} ranks (virtual time)")
         cells = regret_grid([cluster], sizes)
         print(regret_table(cells))
-        asked = asked_algorithms(args, cluster.size, {"auto", *allreduce_algorithms()})
         asked = tuple(a for a in asked if a != "auto" and a not in cells[0].simulated)
         if asked:
             print(asked_for_table(cluster, asked, sizes, cells[0].costs))
@@ -184,6 +208,11 @@ def scaling_command(args: argparse.Namespace) -> int:
         return preset_command(args)
     if args.json:
         raise UsageError("--json writes the points of a --preset")
+    if args.bucket_mib <= 0 or args.compute_seconds <= 0 or args.simulate_up_to < 0:
+        raise UsageError(
+            f"need --bucket-mib > 0, --compute-seconds > 0 and --simulate-up-to >= 0; got {args.bucket_mib:g}, "
+            f"{args.compute_seconds:g} and {args.simulate_up_to}"
+        )
     model = TrainingModel(compute_seconds=args.compute_seconds, bucket_bytes=int(args.bucket_mib * (1 << 20)))
     points = []
     for kind in CLUSTER_KINDS:

@@ -60,12 +60,22 @@ FIXED_ALGORITHM = {"reduce_scatter": "ring", "allgather": "ring", "broadcast": "
 
 
 def bus_factor(collective: str, ranks: int) -> float:
-    """nccl-tests' busbw / algbw: what each rank's busiest link carries per byte of `size`."""
-    if ranks <= 1 or collective == "broadcast":
+    """nccl-tests' busbw / algbw: what each rank's busiest link carries per byte of `size` (0 for
+    a reduction or gather on one rank, as nccl-tests' formulas give: nothing crosses a link)."""
+    if collective == "broadcast":
         return 1.0
     if collective == "allreduce":
         return 2 * (ranks - 1) / ranks
     return (ranks - 1) / ranks
+
+
+def element_count(collective: str, nbytes: int, itemsize: int, ranks: int) -> int:
+    """The elements a size of `nbytes` measures: whole ones, and for reduce-scatter and all-gather
+    a multiple of the rank count (each rank's block is the same size)."""
+    count = nbytes // itemsize
+    if collective in ("reduce_scatter", "allgather"):
+        count -= count % ranks
+    return count
 
 
 @dataclass(frozen=True)
@@ -174,8 +184,16 @@ class _Buffers:
         return comm.broadcast(src, spec.root, out=out)
 
     def copy_input(self) -> None:
-        """The copy-bound row's work: this rank's input into its output, finished on the device."""
-        self.dst[: self.src.size] = self.src[: self.dst.size]
+        """The copy-bound row's work, finished on the device: every element of the larger of this
+        rank's input and output moved once, since an all-gather must write its whole output and a
+        reduce-scatter read its whole input (copying only the smaller made that ceiling p times
+        too high): the input into each block of the output, or all of it into scratch."""
+        if self.src.size == 0:
+            return
+        if self.dst.size >= self.src.size:
+            self.dst.reshape(-1, self.src.size)[...] = self.src
+        else:
+            self.large[...] = self.src
         if is_device(self.dst):
             runtime().synchronize(self.dst)
 
@@ -199,9 +217,7 @@ def measure(
     cells = [(a, p) for a in spec.algorithms for p in spec.placements]
     rows = []
     for nbytes in spec.sizes:
-        count = nbytes // np_dtype.itemsize
-        if spec.collective in ("reduce_scatter", "allgather"):
-            count -= count % comm.size
+        count = element_count(spec.collective, nbytes, np_dtype.itemsize, comm.size)
         buffers = _Buffers(comm, spec, count)
         times: dict[tuple[str, str], list[float]] = {cell: [] for cell in [*cells, (COPY_BOUND, OUT_OF_PLACE)]}
         wrong = dict.fromkeys(times, 0)

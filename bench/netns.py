@@ -285,6 +285,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             **vars(args),
             "backend": "simulated",
             "nodes": nodes,
+            "ranks": None,  # the nodes say it
             "ranks_per_node": [per_node],
             "inter": Link(args.inter.alpha, bandwidth),
             "nic": bandwidth / 1e9,

@@ -50,7 +50,7 @@ def plot_busbw(result: SweepResult, path: str, title: str) -> None:
     For all-reduce a ring marks, at every size, the algorithm auto picks there (`comm.explain`).
     """
     plt = _pyplot()
-    rows = [r for r in result.rows if r.placement == OUT_OF_PLACE]
+    rows = [r for r in result.rows if r.placement == OUT_OF_PLACE and r.nbytes > 0]  # log axes have no 0
     fig, ax = plt.subplots(figsize=(8, 5))
     algorithms = list(dict.fromkeys(r.algorithm for r in rows))
     for algorithm in algorithms:

@@ -84,6 +84,64 @@ def test_defaults_and_options_reach_the_spec() -> None:
     assert _spec("-c", "broadcast", "-r", "3").algorithms == ("tree",)
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-d", "f8"], "not a dtype here: 'f8'"),  # numpy's spelling: measured with no native row
+        (["-e", "inf"], "not a size"),  # OverflowError
+    ],
+)
+def test_unparsable_values_are_argparse_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_nccl_tests_dtype_names_and_sizes_below_an_element() -> None:
+    """-d float meant numpy's float64 (nccl-tests': float32), and -d double failed the native check;
+    sizes that round to one already measured were measured, and shown, twice."""
+    assert _spec("-d", "float").dtype == "float32" and _spec("-d", "half").dtype == "float16"
+    assert _spec("-d", "double", "-a", "native").dtype == "float64"
+    assert _spec("-b", "1", "-e", "16", "-f", "2").sizes == (0, 4, 8, 16)
+    assert _spec("-c", "allgather", "-b", "4", "-e", "64", "-f", "2").sizes == (0, 16, 32, 64)  # 4 ranks
+    assert _spec("-a", "ring,tree,ring").algorithms == ("ring", "tree")
+
+
+def test_num_servers_applies_to_the_default_algorithms() -> None:
+    """It was refused without -a ("parameter_server, which is not measured"), though it is."""
+    algorithms = _spec("--num-servers", "1,2").algorithms
+    assert "parameter_server_1" in algorithms and "parameter_server_2" in algorithms
+    assert "parameter_server" not in algorithms
+
+
+def test_one_rank_moves_nothing_over_links_as_nccl_tests_count_it() -> None:
+    """busbw on one rank was algbw; nccl-tests' factor 2(p-1)/p is 0 there."""
+    assert bus_factor("allreduce", 1) == bus_factor("allgather", 1) == 0.0
+    assert bus_factor("broadcast", 1) == 1.0
+
+
+@pytest.mark.parametrize("collective", ["allgather", "reduce_scatter"])
+def test_the_copy_bound_moves_every_element_the_collective_must(collective: str) -> None:
+    """It copied min(input, output): a quarter of an all-gather's output on 4 ranks, so its
+    "ceiling" was 4x too high. Now an all-gather's whole output is written, a reduce-scatter's
+    whole input read."""
+    from collectives import run_threads
+
+    spec = _spec("-c", collective)
+
+    def body(comm: Communicator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        buffers = measure._Buffers(comm, spec, 16)
+        buffers.dst[...] = 0
+        buffers.copy_input()
+        return buffers.src.copy(), buffers.dst.copy(), buffers.large.copy()
+
+    for src, dst, large in run_threads(body, 4):
+        if collective == "allgather":
+            assert dst.size == 4 * src.size and (dst.reshape(4, -1) == src).all()
+        else:
+            np.testing.assert_array_equal(large, src)
+
+
 def test_auto_is_tuned_unless_told_otherwise() -> None:
     """What the ranks run first: the tuning pass when auto is measured, the probe alone with
     --probe, nothing for other algorithms or with --no-tune."""
@@ -110,6 +168,15 @@ def test_auto_is_tuned_unless_told_otherwise() -> None:
         (["-c", "broadcast", "-r", "4"], "root"),
         (["-o", "median"], "unknown reduction op"),
         (["-d", "float16", "-n", "64"], "float16"),
+        # each of these ran, or failed with a traceback, before
+        (["-n", "0"], "-n must be at least 1"),  # ran 4 ranks
+        (["-n", "-1"], "-n must be at least 1"),  # "root must be a rank in 0..-2"
+        (["--ranks-per-node", "3,1", "-n", "3"], "places 4 ranks, but -n is 3"),
+        (["--csv", "/nonexistent/x.csv"], "--csv /nonexistent/x.csv: cannot write there"),  # after the sweep
+        (["--backend", "simulated", "--json", "s.json"], "takes no --json"),  # silently not written
+        (["--backend", "simulated", "-n", "16"], "takes no -n"),  # silently 2 x 4 ranks
+        (["--backend", "simulated", "--nodes", "0"], "--nodes must be at least 1"),
+        (["scaling", "--bucket-mib", "0"], "--bucket-mib > 0"),  # ZeroDivisionError
     ],
 )
 def test_inconsistent_options_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
