@@ -82,14 +82,14 @@ def run_threads(
     threads = [
         threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True) for rank in range(world_size)
     ]
-    for thread in threads:
-        thread.start()
     try:
+        for thread in threads:
+            thread.start()
         _join(threads, failures, timeout)
     except KeyboardInterrupt:
         # Ctrl-C: the ranks waiting in a collective would wait out its timeout, unseen
         fabric.abort(0, RuntimeError("run_threads was interrupted (KeyboardInterrupt) in its caller"))
-        _join_within(threads, _INTERRUPT_GRACE_SECONDS)
+        _join_within([thread for thread in threads if thread.ident is not None], _INTERRUPT_GRACE_SECONDS)
         raise
     if failures:
         rank, error = failures[0]
