@@ -546,6 +546,7 @@ class Communicator:
     def _call(self, plan: _Plan) -> Any:
         """Run a planned collective now and return its result (the blocking form)."""
         if isinstance(plan, _Local):
+            self._sequencer.check_open()  # a closed one-rank world refuses work as a larger one does
             return plan.result
         header, run, check = plan
         return self._sequencer.call(header, run, check=check)
@@ -553,6 +554,7 @@ class Communicator:
     def _start(self, plan: _Plan) -> Work:
         """Queue a planned collective; its `Work` gets the result (the async form)."""
         if isinstance(plan, _Local):
+            self._sequencer.check_open()
             return completed_work(plan.result)
         header, run, check = plan
         return self._sequencer.submit(header, run, check=check)

@@ -90,18 +90,50 @@ class Work(concurrent.futures.Future):
     of it; timelines use them to show communication against computation.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "the collective", runner: threading.Thread | None = None) -> None:
+        """`what`: the collective, for messages; `runner`: the communication thread that runs it."""
         super().__init__()
         self.started_at: float | None = None
         self.finished_at: float | None = None
+        self._what = what
+        self._runner = runner
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finishes and return its result (or raise its error).
 
         Raises:
-            TimeoutError: `timeout` seconds passed first (the collective keeps running).
+            TimeoutError: `timeout` seconds passed first; the collective keeps running and the
+                communicator is not broken (a failed collective raises `CollectiveError`).
+            RuntimeError: called on the communication thread (in a callback of another
+                asynchronous collective) before this one has run: it would wait for itself.
         """
         return self.result(timeout)
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._refuse_waiting_for_itself()
+        try:
+            return super().result(timeout)
+        except concurrent.futures.TimeoutError:  # TimeoutError itself from Python 3.11 on
+            raise TimeoutError(self._still_running(timeout)) from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._refuse_waiting_for_itself()
+        try:
+            return super().exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(self._still_running(timeout)) from None
+
+    def _still_running(self, timeout: float | None) -> str:
+        return f"{self._what} is still running after {timeout:g} s; wait again (the communicator is not broken)"
+
+    def _refuse_waiting_for_itself(self) -> None:
+        """Raise where the communication thread, which alone runs this collective, would wait for
+        it (a done-callback waiting on a later collective), rather than wait for ever."""
+        if self._runner is not None and threading.current_thread() is self._runner and not self.done():
+            raise RuntimeError(
+                f"{self._what} was waited for on the communication thread (in a callback of an asynchronous "
+                f"collective), which alone runs it: it would wait for itself. Wait for it outside the callback"
+            )
 
     def cancel(self) -> bool:
         return False
@@ -194,9 +226,10 @@ class Sequencer:
             ConcurrentUseError: another thread is inside a blocking call (the communicator is then
                 broken on every rank).
         """
-        work = Work()
         with self._submit_lock:
-            self._enqueue(_Task(self._next_seq(header), header, run, work, check))
+            seq = self._next_seq(header)
+            work = Work(self._described(header), self._started_thread())
+            self._enqueue(_Task(seq, header, run, work, check))
         return work
 
     def call(self, header: bytes, run: Callable[[Group], T], *, check: HeaderCheck = HeaderCheck.AGREEMENT) -> T:
@@ -221,7 +254,7 @@ class Sequencer:
             seq = self._next_seq(header)
             self._caller = caller
             if seq != self._next_to_run:
-                work = Work()
+                work = Work(self._described(header), self._started_thread())
                 self._enqueue(_Task(seq, header, run, work, check))
         try:
             if work is None:
@@ -255,10 +288,21 @@ class Sequencer:
         return seq
 
     def close(self) -> None:
-        """Finish queued collectives, stop the communication thread and close the transport."""
+        """Finish queued collectives, stop the communication thread and close the transport.
+
+        Raises:
+            RuntimeError: called on the communication thread (in a callback of an asynchronous
+                collective), which cannot wait for itself to finish the queue; nothing is closed.
+        """
         with self._submit_lock:
             if self._closed:
                 return
+            if self._thread is not None and threading.current_thread() is self._thread:
+                raise RuntimeError(
+                    f"rank {self._transport.rank}: close() was called on the communication thread (in a callback "
+                    f"of an asynchronous collective), which cannot wait for itself; nothing was closed. Call "
+                    f"close() outside the callback"
+                )
             self._closed = True
             thread = self._thread
         _OPEN.pop(self._made, None)
@@ -291,14 +335,28 @@ class Sequencer:
                 )
                 return
 
-    def _enqueue(self, task: _Task) -> None:
-        """Hand `task` to the communication thread, starting it for the first one."""
+    def _started_thread(self) -> threading.Thread:
+        """The communication thread, started for the first collective queued (lock held)."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._serve, name=f"collectives-rank{self._transport.rank}", daemon=True
             )
             self._thread.start()
+        return self._thread
+
+    def _enqueue(self, task: _Task) -> None:
+        """Hand `task` to the communication thread (lock held)."""
+        self._started_thread()
         self._queue.put(task)
+
+    def _described(self, header: bytes) -> str:
+        return f"rank {self._transport.rank}: {header.decode(errors='replace')}"
+
+    def check_open(self) -> None:
+        """Raise `CommunicatorBrokenError` where no collective may start (broken or closed): for
+        the collectives of one rank, which need no sequencing but must fail as the others do."""
+        if (refusal := self._refusal()) is not None:
+            raise refusal
 
     def _refusal(self) -> CommunicatorBrokenError | None:
         """Why no new collective may start, or None."""

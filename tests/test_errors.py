@@ -574,16 +574,23 @@ def test_ctrl_c_in_run_threads_ends_the_ranks_collectives_at_once() -> None:
         release.set()
 
 
-def test_closed_communicator_refuses_work() -> None:
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_closed_communicator_refuses_work(world_size: int) -> None:
     """After close(), every collective raises CommunicatorBrokenError saying it is closed; closing
-    twice is harmless."""
+    twice is harmless. With one rank they all succeeded, so a use after close passed on a laptop
+    and failed on a cluster."""
 
     def body(comm: collectives.Communicator) -> list[BaseException | None]:
         comm.barrier()
         comm.close()
         comm.close()
         refusals: list[BaseException | None] = []
-        for call in (lambda: comm.allreduce(np.ones(2)), comm.barrier, lambda: comm.broadcast(np.ones(2))):
+        for call in (
+            lambda: comm.allreduce(np.ones(2)),
+            comm.barrier,
+            lambda: comm.broadcast(np.ones(2)),
+            lambda: comm.allreduce_async(np.ones(2)),
+        ):
             try:
                 call()
                 refusals.append(None)
@@ -591,5 +598,5 @@ def test_closed_communicator_refuses_work() -> None:
                 refusals.append(error)
         return refusals
 
-    for refusals in collectives.run_threads(body, 2):
+    for refusals in collectives.run_threads(body, world_size):
         assert all(isinstance(e, CommunicatorBrokenError) and "closed" in str(e) for e in refusals), refusals

@@ -173,6 +173,56 @@ def test_a_blocking_call_in_a_work_callback_is_refused_while_collectives_are_que
     assert lone.call(b"later", lambda group: "later") == "later"
 
 
+def test_waiting_in_a_work_callback_for_a_later_collective_is_refused(lone: Sequencer) -> None:
+    """The callback of the first waited for the second, queued behind it on the one thread that
+    runs both: a deadlock for ever on MPI. It is refused at once, and the second still runs."""
+    release = threading.Event()
+    outcomes: list[str] = []
+    first = lone.submit(b"first", lambda group: release.wait(TIMEOUT))
+    second = lone.submit(b"second", lambda group: "second")
+
+    def wait_for_second(_: object) -> None:
+        for wait in (second.wait, second.result, second.exception):
+            try:
+                wait()
+            except RuntimeError as error:
+                outcomes.append(str(error))
+
+    first.add_done_callback(wait_for_second)
+    release.set()
+    assert second.wait(TIMEOUT) == "second"
+    assert len(outcomes) == 3 and all("would wait for itself" in text for text in outcomes), outcomes
+    assert "rank 0: second" in outcomes[0]
+
+
+def test_a_wait_that_times_out_names_the_collective_and_says_it_runs_on(lone: Sequencer) -> None:
+    """It was a bare TimeoutError(), which `except TimeoutError` could not tell from a failure."""
+    release = threading.Event()
+    work = lone.submit(b"slow one", lambda group: release.wait(TIMEOUT))
+    with pytest.raises(TimeoutError, match="rank 0: slow one is still running after 0.01 s; wait again"):
+        work.wait(0.01)
+    release.set()
+    assert work.wait(TIMEOUT) is True
+
+
+def test_close_in_a_work_callback_is_refused_and_closes_nothing(lone: Sequencer) -> None:
+    """It failed with "cannot join current thread" after marking the sequencer closed, so the
+    transport was never closed and no peer heard of it; a later close() did nothing."""
+    outcomes: list[str] = []
+
+    def close(_: object) -> None:
+        try:
+            lone.close()
+        except RuntimeError as error:
+            outcomes.append(str(error))
+
+    work = lone.submit(b"first", lambda group: time.sleep(0.05))
+    work.add_done_callback(close)
+    work.wait(TIMEOUT)
+    assert "close() was called on the communication thread" in outcomes[0], outcomes
+    assert not lone.closed and lone.call(b"later", lambda group: "later") == "later"
+
+
 # -- broken state --------------------------------------------------------------------------------
 
 
