@@ -260,7 +260,7 @@ def _close_before_exit(transport: GrpcTransport) -> None:
     def close() -> None:
         alive = reference()
         if alive is not None:
-            alive.close()
+            alive.shut_down()  # its duplicates with it: the process is exiting
 
     register = getattr(threading, "_register_atexit", None)
     try:
@@ -754,9 +754,10 @@ class GrpcTransport(Transport):
                     answer = call.result()
                 except grpc.RpcError as error:
                     code = error.code()
+                    # FAILED_PRECONDITION passes: the peer's previous world, closed there a little
+                    # later than here (init() again after close()), still holds this rank's old stream
                     if code in (
                         grpc.StatusCode.UNAUTHENTICATED,
-                        grpc.StatusCode.FAILED_PRECONDITION,
                         grpc.StatusCode.INVALID_ARGUMENT,
                         grpc.StatusCode.UNIMPLEMENTED,
                     ):
@@ -1516,16 +1517,20 @@ class GrpcTransport(Transport):
         return GrpcDuplicate(self, context)
 
     def _close_context(self, context: int) -> None:
-        """Close one duplicate: its pending operations fail, later ones fail at once and what its
-        peers still send it is dropped; the other contexts go on."""
+        """Close one context (the transport's own, 0, or a duplicate's): its pending operations
+        fail, later ones fail at once and what its peers still send it is dropped; the other
+        contexts go on. Once every context is closed, the transport shuts down."""
         with self._lock:
             failure = self._failures.setdefault(context, _ContextFailure())
             if failure.closed:
                 return
             failure.closed = True
             victims = self._withdraw(lambda tag: tag >> CONTEXT_SHIFT == context)
+            unused = all(c in self._failures and self._failures[c].closed for c in self._contexts)
         for request in victims:
             request._finish(PeerLostError(f"rank {self.rank}: transport closed with a {request.kind} pending"))
+        if unused:
+            self.shut_down()
 
     def _broadcast_abort(self, context: int, notice: tuple[int, str, str], since: int | None, skip: set[int]) -> None:
         """Send an abort notice to every other peer: fire and forget (`close` waits for them). It
@@ -1554,6 +1559,13 @@ class GrpcTransport(Transport):
                 pass
 
     def close(self) -> None:
+        """Close this transport's own operations. Its connections, server and streams stay while
+        a duplicate of it is open (closing one communicator leaves its duplicates working, on
+        every backend), and go with the last of them, or at exit."""
+        self._close_context(0)
+
+    def shut_down(self) -> None:
+        """Close every context, the duplicates' too, and end the streams, channels and server."""
         with self._lock:
             if self._closed:
                 return
@@ -1615,7 +1627,8 @@ class GrpcDuplicate(Transport):
     Its messages travel on the streams of the transport it came from, on tags moved into a range
     of their own (its context id above the library's tags), so they never match another
     context's and the transport's own hot path is unchanged. Aborting or closing it fails only its
-    operations; closing the transport it came from closes it too.
+    operations, and so does closing the transport it came from: the streams end with the last
+    open context.
     """
 
     fuses_receive_reduce = False

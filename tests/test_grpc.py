@@ -745,8 +745,54 @@ def test_aborting_or_closing_a_duplicate_leaves_the_others_working(world: list[A
     with pytest.raises(PeerLostError, match="closed"):
         waiting.wait(5)
     assert_delivered(a, b, 4)
-    still_waiting = broken_b.dup(2).irecv(np.zeros(1), 0, 4, H)
-    b.close()  # closes its duplicates
+    last_a, last_b = a.dup(2), b.dup(2)
+    waiting = b.irecv(np.zeros(1), 0, 5, H)
+    b.close()  # its own operations: its open duplicates go on, and the streams with them
+    with pytest.raises(PeerLostError, match="closed"):
+        waiting.wait(5)
+    assert_delivered(last_a, last_b, 5)
+    from_b = a.irecv(np.zeros(1), 1, 6, H)
+    broken_b.close()
+    last_b.close()  # the last open context: b's streams end, and a hears of it
+    with pytest.raises(PeerLostError):
+        from_b.wait(10)
+
+
+@requires_grpc
+def test_a_new_world_waits_for_a_peer_still_closing_its_previous_one() -> None:
+    """init() again after close(), where rank 1 closes its first world a second after rank 0:
+    rank 0's new transport failed at once ("rank 1 refused to join: FAILED_PRECONDITION: rank 0
+    already has its stream here", from rank 1's old one). It now tries again until its start-up
+    timeout, and the new world forms."""
+    from collectives.backends.grpc import GrpcTransport
+
+    a, b = make_world(2, secret=b"s3cret")
+    addresses = list(a.addresses)
+    a.close()
+    renewed: list[Any] = []
+    rank_0 = threading.Thread(
+        target=lambda: renewed.append(GrpcTransport(0, addresses, secret=b"s3cret", startup_timeout=20))
+    )
+    rank_0.start()
+    time.sleep(1.0)
+    b.close()
+    b2 = GrpcTransport(1, addresses, secret=b"s3cret", startup_timeout=20)
+    rank_0.join(30)
+    try:
+        assert renewed, "rank 0's new transport failed"
+        assert_delivered(renewed[0], b2, 0)
+    finally:
+        for transport in [*renewed, b2]:
+            transport.close()
+
+
+@requires_grpc
+def test_shutting_down_closes_the_duplicates_too(world: list[Any]) -> None:
+    """What the exit hook does: every context, the duplicates' too."""
+    a, b = world
+    duplicate_b = b.dup(0)
+    still_waiting = duplicate_b.irecv(np.zeros(1), 0, 4, H)
+    b.shut_down()
     with pytest.raises(PeerLostError, match="closed"):
         still_waiting.wait(5)
 
