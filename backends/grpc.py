@@ -470,6 +470,17 @@ class _Gate:
         return transport._admit(continuation, details)
 
 
+def _physical_memory_bytes() -> int:
+    """This machine's memory, the most any receive buffer can be (unbounded where unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+_PHYSICAL_MEMORY_BYTES = _physical_memory_bytes()
+
+
 def _payload(parts: list[memoryview]) -> memoryview | bytes:
     if len(parts) == 1:
         return parts[0]
@@ -985,6 +996,7 @@ class GrpcTransport(Transport):
                 if refusal is None:
                     if incoming is None:
                         self._matcher.post_receive((src, tag), request)
+                        self._space.notify_all()  # a reader held back for want of this receive reads on
                         return request
                     if not incoming.complete:
                         incoming.recv = request  # the arriving frames will complete it
@@ -1086,12 +1098,24 @@ class GrpcTransport(Transport):
         self._continue(src, landing, flags, tag, total, data)
 
     def _make_room(self, src: int, tag: int, total: int, header: bytes, data: memoryview) -> None:
-        """Backpressure for a new message from `src`: refuse one that could never be held, and stop
-        reading while too much of its data waits unmatched, unless a receive waits for this one."""
+        """Backpressure for a new message from `src`: stop reading until its receive is posted where
+        it could never be held, and while too much of its data waits unmatched, unless a receive
+        waits for this one."""
         key = (src, tag)
         if total + len(header) + MESSAGE_OVERHEAD_BYTES > self._max_unmatched:
+            # More than could ever be held: read on once its receive is posted. A sender that is
+            # early (an all-to-all block, the reference all-reduce's whole buffer) is held back
+            # as smaller messages are; refused at once where no receive buffer could be as large
+            # as the claim, and where no receive will come.
             with self._lock:
-                awaited = self._matcher.has_receive(key)
+                while (
+                    not (awaited := self._matcher.has_receive(key))
+                    and total <= _PHYSICAL_MEMORY_BYTES
+                    and not self._closed
+                    and src not in self._lost
+                    and self._failure(tag) is None
+                ):
+                    self._space.wait(1.0)
             if not awaited:
                 raise wire.FrameError(
                     f"rank {src} sent a message of {total} bytes (tag {tag}) that no receive awaits, more than "

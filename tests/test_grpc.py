@@ -848,6 +848,25 @@ def test_backpressure_keeps_order_and_data(world: list[Any]) -> None:
 
 
 @requires_grpc
+@pytest.mark.parametrize(
+    "world", [{"size": 2, "options": {"chunk_bytes": 1000, "max_unmatched_bytes": 5000}}], indirect=True
+)
+def test_a_message_larger_than_the_budget_waits_for_its_receive(world: list[Any]) -> None:
+    """One message beyond max_unmatched_bytes, sent before its receive is posted (an all-to-all
+    block of 300 MB against 256 MiB): it was refused and the peer's stream ended for good. Now
+    the receiver reads on once the receive is posted, and the stream carries on."""
+    a, b = world
+    big = np.arange(20_000, dtype=np.uint8)
+    sent = a.isend(big, 1, 0, H)
+    time.sleep(0.5)  # the first frame has arrived; nothing awaits it yet
+    out = np.zeros_like(big)
+    b.irecv(out, 0, 0, H).wait(10)
+    sent.wait(10)
+    np.testing.assert_array_equal(out, big)
+    assert_delivered(a, b, 1)
+
+
+@requires_grpc
 def test_small_sends_queued_together_share_a_grpc_message(world: list[Any]) -> None:
     """Whole small messages queued at once travel in one gRPC message, in order, and complete once
     copied; a message cut into frames travels one frame per gRPC message after them."""
