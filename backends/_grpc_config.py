@@ -44,6 +44,7 @@ import ipaddress
 import json
 import os
 import socket
+import ssl
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -243,6 +244,31 @@ def _read_pem(environ: Mapping[str, str], name: str) -> bytes | None:
         raise ValueError(f"{name}={path!r}: cannot read the PEM file ({error.strerror})") from None
 
 
+def _check_tls_contents(env: Mapping[str, str], ca: bytes | None) -> None:
+    """Raise ValueError naming the variable whose file is not what TLS needs: a certificate and
+    its private key (unencrypted, of that certificate), and CA certificates. gRPC reports none of
+    this: it fails to listen, as if the address were taken, or only at the first handshake."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+    def no_password() -> bytes:
+        raise ValueError("the private key is encrypted; gRPC needs it unencrypted")
+
+    try:
+        context.load_cert_chain(env[ENV_TLS_CERT], env[ENV_TLS_KEY], password=no_password)
+    except (ssl.SSLError, ValueError) as error:
+        raise ValueError(
+            f"{ENV_TLS_CERT}={env[ENV_TLS_CERT]!r} and {ENV_TLS_KEY}={env[ENV_TLS_KEY]!r} are not a PEM certificate "
+            f"and its private key ({getattr(error, 'reason', None) or error})"
+        ) from None
+    if ca is not None:
+        try:
+            context.load_verify_locations(cadata=ca.decode("ascii", errors="replace"))
+        except (ssl.SSLError, ValueError) as error:
+            raise ValueError(
+                f"{ENV_TLS_CA}={env[ENV_TLS_CA]!r} holds no PEM certificate ({getattr(error, 'reason', None) or error})"
+            ) from None
+
+
 def load_config(environ: Mapping[str, str] | None = None) -> ClusterConfig:
     """Read the cluster description from the environment (see the module docstring).
 
@@ -274,6 +300,7 @@ def load_config(environ: Mapping[str, str] | None = None) -> ClusterConfig:
     ca = _read_pem(env, ENV_TLS_CA)
     tls = None
     if cert is not None and key is not None:
+        _check_tls_contents(env, ca)
         tls = TlsFiles(cert, key, ca, env.get(ENV_TLS_SERVER_NAME) or None)
     elif ca is not None:
         raise ValueError(f"{ENV_TLS_CA} is set but {ENV_TLS_CERT}/{ENV_TLS_KEY} are not; set all three for TLS")

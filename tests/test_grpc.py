@@ -176,8 +176,34 @@ def test_tls_needs_certificate_and_key(tmp_path: Path) -> None:
         wire.load_config(env_for(0, 2, COLLECTIVES_TLS_CERT=str(cert)))
     with pytest.raises(ValueError, match="COLLECTIVES_TLS_CA"):
         wire.load_config(env_for(0, 2, COLLECTIVES_TLS_CA=str(cert)))
-    config = wire.load_config(env_for(0, 2, COLLECTIVES_TLS_CERT=str(cert), COLLECTIVES_TLS_KEY=str(cert)))
-    assert config.tls is not None and config.tls.ca is None
+
+
+@pytest.mark.skipif(not HAVE_OPENSSL, reason="needs the openssl CLI to make test certificates")
+def test_tls_files_that_are_not_what_tls_needs_are_named(tmp_path: Path) -> None:
+    """A garbage certificate or key, a key of another certificate, the two swapped or a garbage CA
+    failed as "cannot listen on 127.0.0.1:P" (as if the address were taken); an empty CA with a
+    bare ValueError at the first failed handshake."""
+    tls = make_certificates(tmp_path / "one")
+    other = make_certificates(tmp_path / "other")
+    garbage, empty = tmp_path / "garbage.pem", tmp_path / "empty.pem"
+    garbage.write_text("garbage\n")
+    empty.write_text("")
+    config = wire.load_config(env_for(0, 2, **tls))
+    assert config.tls is not None and config.tls.ca is not None
+    certificate_and_key = "are not a PEM certificate and its private key"
+    for changed, words in [
+        ({"COLLECTIVES_TLS_CERT": str(garbage)}, certificate_and_key),
+        ({"COLLECTIVES_TLS_KEY": str(garbage)}, certificate_and_key),
+        ({"COLLECTIVES_TLS_KEY": other["COLLECTIVES_TLS_KEY"]}, certificate_and_key),
+        (
+            {"COLLECTIVES_TLS_CERT": tls["COLLECTIVES_TLS_KEY"], "COLLECTIVES_TLS_KEY": tls["COLLECTIVES_TLS_CERT"]},
+            certificate_and_key,
+        ),
+        ({"COLLECTIVES_TLS_CA": str(garbage)}, "COLLECTIVES_TLS_CA="),
+        ({"COLLECTIVES_TLS_CA": str(empty)}, "COLLECTIVES_TLS_CA="),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            wire.load_config(env_for(0, 2, **{**tls, **changed}))
 
 
 def _prefix(flags: int, tag: int, total: int, header_len: int) -> bytes:
