@@ -25,7 +25,13 @@ from collectives.backends import grpc as transport
 HELLO = f"/{transport.SERVICE}/Hello"
 STREAM = f"/{transport.SERVICE}/Stream"
 ABORT = f"/{transport.SERVICE}/Abort"
-BIG_MESSAGES = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+BIG_MESSAGES = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    # a connection of its own: channels alike share one, and the calls of intruders sent one
+    # after another then met a rank's limit of concurrent calls per connection (REFUSED_STREAM)
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
 
 def identity(data: bytes) -> bytes:
