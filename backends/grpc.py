@@ -32,11 +32,12 @@ Backpressure. Data kept for one source for receives not yet posted is bounded
 (`max_unmatched_bytes`, 256 MiB by default), counting every byte it holds: whole frames (prefix and
 header included; the payload copy of a frame that shared its gRPC message), the header copy compared
 at match time and the Python objects of each frame and message. Beyond it the server stops reading
-that source's stream, HTTP/2 flow control stalls the sender, and its sends simply stay queued. A
-message that could never fit (its claimed size alone is over the limit) with no receive waiting
-for it is refused at once, naming the sender; the library's algorithms send segments far below
-the limit. Head-of-line blocking is the price: a receive that waits for a message queued *behind*
-more than that much unmatched data from the same source waits until the collective's deadline.
+that source's stream, HTTP/2 flow control stalls the sender, and its sends simply stay queued. So
+does a message that could never fit (its claimed size alone is over the limit; an all-to-all block
+or the reference all-reduce's whole buffer) until its receive is posted; one larger than this
+machine's memory, which no receive could take, is refused at once, naming the sender.
+Head-of-line blocking is the price: a receive that waits for a message queued *behind* more than
+that much unmatched data from the same source waits until the collective's deadline.
 
 Send completion. A send completes once its last frame has been copied out of the caller's
 buffer (MPI's "buffer reusable" semantics); `close` then flushes the stream before returning.
