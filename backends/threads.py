@@ -240,7 +240,13 @@ class ThreadFabric:
             who = "transport" if request.rank == rank else f"peer rank {rank}'s transport"
             request._finish(PeerLostError(f"rank {request.rank}: {who} closed with a {request.kind} pending"))
         for request in meetings:
-            request._finish(PeerLostError(f"rank {request.rank}: rank {rank} closed its transport during a collective"))
+            request._finish(
+                PeerLostError(
+                    f"rank {request.rank}: rank {rank} closed its communicator (or exited) before this collective, "
+                    "which cannot complete: this rank called more collectives than it did (uneven data across "
+                    "ranks, or a loop that ran once more?)"
+                )
+            )
 
 
 class DeviceRequest(LockRequest):

@@ -549,6 +549,24 @@ def test_run_threads_rejects_bad_configuration(kwargs: dict[str, Any], words: li
         assert word in str(caught.value), str(caught.value)
 
 
+def test_a_rank_that_calls_one_collective_more_hears_why_it_cannot_complete() -> None:
+    """Rank 1 finished and closed while rank 0 waited in a barrier it never joined: rank 0 was
+    told rank 1 "closed its transport during a collective", which rank 1 was not in."""
+
+    def body(comm: collectives.Communicator) -> str | None:
+        comm.barrier()
+        if comm.rank == 0:
+            with pytest.raises(PeerLostError) as caught:
+                comm.barrier()  # waiting when rank 1 closes
+            return str(caught.value)
+        time.sleep(0.3)
+        return None
+
+    text = collectives.run_threads(body, 2, timeout=20)[0]
+    assert text is not None and "rank 1 closed its communicator" in text, text
+    assert "called more collectives than it did" in text, text
+
+
 def test_ctrl_c_in_run_threads_ends_the_ranks_collectives_at_once() -> None:
     """Rank 0 waits in a barrier while rank 1 is busy elsewhere; Ctrl-C in the caller raised
     KeyboardInterrupt and left rank 0 waiting out its 60 s timeout. Now its barrier fails at once."""
