@@ -273,6 +273,7 @@ class GradientAggregator:
                     timeline=self.timeline,
                     algorithm=self.algorithm,
                     like=None if device is None else as_operand(device),
+                    layout=repr(key).encode(),  # compared every step: which variables are dense, sparse or None
                 )
                 self._exchanges[key] = exchange
         return exchange

@@ -50,6 +50,7 @@ class BucketExchange:
 
     `algorithm` is the all-reduce algorithm of every bucket ("auto", or a name of `comm.algorithms`).
     `like`: a gradient as it will be deposited; a device array puts the buckets on its device.
+    `layout`: which variables fill the buckets, as the ranks compare it every step (`AnnouncedSteps`).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class BucketExchange:
         timeline: Timeline | None = None,
         algorithm: str = "auto",
         like: Any = None,
+        layout: bytes = b"",
     ) -> None:
         self.comm = comm
         servers = job_for(comm, algorithm)
@@ -82,7 +84,7 @@ class BucketExchange:
             slot.variable: (index, slot) for index, bucket in enumerate(self.buckets) for slot in bucket.slots
         }
         wires = [compressor.compress(buffer)[0] for buffer in self._buffers]
-        self._announced = AnnouncedSteps(comm, wires, op, algorithm)
+        self._announced = AnnouncedSteps(comm, wires, op, algorithm, layout)
         self._lock = threading.Lock()
         self._reset()
 

@@ -90,6 +90,8 @@ _RECORD_WORDS = _DIGEST + _DIGEST_WORDS
 elements; of buckets for a step), op, algorithm, whether the buffer is GPU memory (a joined rank
 answers with the same kind: over NCCL the two kinds take different routes), digest; int64 words.
 Then room for the data of a small all-reduce (`_new_record`)."""
+_LAYOUT_DIGEST = _DIGEST + _DIGEST_WORDS // 2
+"""Where a tape step's digest of its variables' layout starts, after that of its buckets."""
 _CARRIED_START = 8 * _RECORD_WORDS
 """Byte offset in a record of the data a small all-reduce carries."""
 _CARRIED_BYTES, _CARRIED_TOTAL_BYTES = 4096, 64 << 10
@@ -144,13 +146,22 @@ def join(comm: Communicator | None = None) -> int:
 
 
 def announced_allreduce(
-    comm: Communicator, array: np.ndarray, op: str | ReduceOp = "sum", algorithm: str = "auto", out: Any = None
+    comm: Communicator,
+    array: np.ndarray,
+    op: str | ReduceOp = "sum",
+    algorithm: str = "auto",
+    out: Any = None,
+    layout: object = None,
 ) -> np.ndarray:
     """`comm.allreduce(array, op, algorithm, out)`, which ranks that have joined answer.
 
     With `algorithm="auto"`, a small host array travels inside the announcement itself, and every
     rank reduces the rows of the ranks still training in rank order (the `direct` algorithm's
     result): one collective instead of the announcement and then the all-reduce.
+
+    The ranks compare `layout` too (default: the array's shape), so that tensors of one element
+    count and different shapes, or several tensors fused into `array` and cut differently, fail
+    with `MismatchError` rather than mixing their elements.
     """
     if comm.size == 1:
         return comm.allreduce(array, op, algorithm, out)
@@ -159,6 +170,7 @@ def announced_allreduce(
     record = _new_record(comm)
     record[_STATE], record[_KIND] = _ACTIVE, _ALLREDUCE
     record[_ROW] = _allreduce_row(comm, flat, op, algorithm)
+    record[_DIGEST:_RECORD_WORDS] = _digest_words(repr(np.shape(array) if layout is None else layout).encode())
     if algorithm != "auto" or is_device(flat) or flat.nbytes > 8 * (record.size - _RECORD_WORDS):
         _settle_promise(comm)
         _announce_agreed(comm, record)
@@ -207,15 +219,24 @@ class AnnouncedSteps:
     `promise_next` once its last bucket has started (see the module docstring)."""
 
     def __init__(
-        self, comm: Communicator, wires: Sequence[np.ndarray], op: str | ReduceOp = "sum", algorithm: str = "auto"
+        self,
+        comm: Communicator,
+        wires: Sequence[np.ndarray],
+        op: str | ReduceOp = "sum",
+        algorithm: str = "auto",
+        layout: bytes = b"",
     ) -> None:
         """`wires`: one array per bucket as it travels (dtype and size), all-reduced with `op` by
-        `algorithm`."""
+        `algorithm`; `layout`: what else the ranks must agree on every step (which variables
+        fill the buckets: ranks whose buckets are alike in size but hold other variables would
+        sum one's gradient into another's)."""
         self.comm = comm
         self.rows = np.array([_allreduce_row(comm, wire, op, algorithm) for wire in wires], dtype=np.int64)
         self._record = _new_record(comm)
         self._record[_STATE], self._record[_KIND], self._record[_COUNT] = _ACTIVE, _STEP, len(self.rows)
-        self._record[_DIGEST:_RECORD_WORDS] = _digest_words(self.rows.tobytes())
+        # half the digest the buckets' rows (which a joined rank is sent and checks), half the layout
+        self._record[_DIGEST:_LAYOUT_DIGEST] = _digest_words(self.rows.tobytes())[: _LAYOUT_DIGEST - _DIGEST]
+        self._record[_LAYOUT_DIGEST:_RECORD_WORDS] = _digest_words(layout)[: _RECORD_WORDS - _LAYOUT_DIGEST]
         self._promise = self._record.copy()
         self._promise[_KIND] = _PROMISE
 
@@ -225,11 +246,16 @@ class AnnouncedSteps:
         if self.comm.size == 1:
             return
         kept = _settle_promise(self.comm)
-        if kept is not None and (kept is self or np.array_equal(kept.rows, self.rows)):
+        if kept is not None and (kept is self or np.array_equal(kept.digest, self.digest)):
             return  # owed, also where each step makes its own (a tape wrapper per step, as with Horovod)
         records, training = _announce_agreed(self.comm, self._record)
         if training.size < self.comm.size:
             self.comm.broadcast(self.rows, int(training[0]))
+
+    @property
+    def digest(self) -> np.ndarray:
+        """What the ranks compare of a step: its buckets and their layout."""
+        return self._record[_DIGEST:_RECORD_WORDS]
 
     def promise_next(self) -> None:
         """Promise, without waiting, that this rank's next join-aware collective is another step of
@@ -271,7 +297,7 @@ def _settle_promise(comm: Communicator) -> AnnouncedSteps | None:
 def _received_layout(comm: Communicator, plan: np.ndarray, root: int) -> np.ndarray:
     """The bucket layout (one row per bucket) of the step `plan` announced, as `root` broadcasts it."""
     rows = comm.broadcast(np.zeros((int(plan[_COUNT]), _ROW.stop - _ROW.start), np.int64), root)
-    if not np.array_equal(_digest_words(rows.tobytes()), plan[_DIGEST:_RECORD_WORDS]):
+    if not np.array_equal(_digest_words(rows.tobytes())[: _LAYOUT_DIGEST - _DIGEST], plan[_DIGEST:_LAYOUT_DIGEST]):
         raise MismatchError(
             f"rank {comm.rank} (joined): the bucket layout broadcast by rank {root} differs from the one it "
             f"announced ({_describe(plan)})"
@@ -374,7 +400,8 @@ def _describe(record: np.ndarray) -> str:
     return (
         f"all-reduce of {record[_COUNT]} {REDUCTION_DTYPES[record[_DTYPE]]} "
         f"op={_OPS[record[_OP]].value} algorithm code {record[_ALGORITHM]}"
-        f"{' on the GPU' if record[_ON_DEVICE] else ''}"
+        f"{' on the GPU' if record[_ON_DEVICE] else ''} in tensors of layout "
+        f"{record[_DIGEST:_RECORD_WORDS].tobytes().hex()[:12]}"
     )
 
 

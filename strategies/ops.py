@@ -105,8 +105,10 @@ def grouped_allreduce(
 
 
 def fused_allreduce(comm: Communicator, arrays: Sequence[np.ndarray], op: str | ReduceOp) -> list[np.ndarray]:
-    """`arrays` all-reduced with one all-reduce per dtype."""
-    return fused_by_dtype(arrays, lambda flat: announced_allreduce(comm, flat, op, out=flat))
+    """`arrays` all-reduced with one all-reduce per dtype; the ranks check they passed arrays of
+    the same dtypes and shapes (equal totals cut differently would mix elements)."""
+    layout = tuple((np.dtype(array.dtype).str, np.shape(array)) for array in arrays)
+    return fused_by_dtype(arrays, lambda flat: announced_allreduce(comm, flat, op, out=flat, layout=layout))
 
 
 def fused_by_dtype(arrays: Sequence[np.ndarray], collective: Callable[[np.ndarray], np.ndarray]) -> list[np.ndarray]:

@@ -352,6 +352,35 @@ def test_ranks_with_none_gradients_for_different_variables_fail_on_every_rank(wi
 
 
 @needs_tf
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_a_none_layout_each_rank_has_met_before_still_fails_when_the_ranks_differ(graph: bool) -> None:
+    """Steps where both ranks have no gradient for `b`, then both none for `a`, then rank 0 none
+    for `b` and rank 1 none for `a`: each rank had checked both layouts already, so the third step
+    summed `a`'s gradient on rank 0 with `b`'s on rank 1 (55 = (10 + 100) / 2 on both)."""
+    import tensorflow as tf
+
+    from collectives.strategies import GradientAggregator
+
+    def body(comm: collectives.Communicator) -> list[object]:
+        variables = [tf.Variable(tf.zeros(2), name=name) for name in "ab"]
+        aggregator = GradientAggregator(comm)
+        aggregate = tf.function(aggregator.aggregate) if graph else aggregator.aggregate
+        ten, hundred = tf.fill([2], 10.0), tf.fill([2], 100.0)
+        outcomes: list[object] = []
+        for tasks in ((0, 0), (1, 1), (0, 1)):
+            gradients = [ten, None] if tasks[comm.rank] == 0 else [None, hundred]
+            try:
+                outcomes.append([None if g is None else float(g[0]) for g in aggregate(gradients, variables)])
+            except (MismatchError, tf.errors.UnknownError) as error:  # a graph's numpy function wraps it
+                outcomes.append("MismatchError" if "MismatchError" in f"{type(error).__name__} {error}" else error)
+                break
+        return outcomes
+
+    for outcomes in run_threads(body, 2, timeout=60):
+        assert outcomes == [[10.0, None], [None, 100.0], "MismatchError"], outcomes
+
+
+@needs_tf
 @pytest.mark.parametrize("offset", [0.0, 1e3, 1e4])
 def test_sync_batch_norm_variance_holds_for_inputs_far_from_zero(offset: float) -> None:
     """The global batch statistics of inputs whose mean is large against their spread: the

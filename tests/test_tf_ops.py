@@ -150,13 +150,24 @@ def test_ranks_still_training_must_announce_the_same_all_reduce() -> None:
     assert "all-reduce of 1 float32" in messages[0] and "all-reduce of 2 float32" in messages[0]
 
 
-@pytest.mark.parametrize("differing", ["count", "op"])
+@pytest.mark.parametrize("differing", ["count", "op", "shape", "fused shapes", "large shape"])
 def test_ranks_that_all_train_and_announce_different_all_reduces_fail_on_every_rank(differing: str) -> None:
+    """Tensors of one element count and different shapes ([2, 3] and [3, 2]), or fused tensors
+    cut differently ([1] + [2] and [2] + [1]), were reduced into each other with no error."""
+    from collectives.strategies.ops import fused_allreduce
+
     def body(comm: collectives.Communicator) -> str:
         count = 2 + comm.rank if differing == "count" else 2
         op = "max" if differing == "op" and comm.rank == 1 else "sum"
         with pytest.raises(collectives.MismatchError) as raised:
-            announced_allreduce(comm, np.ones(count, np.float32), op)
+            if differing == "shape":
+                announced_allreduce(comm, np.ones((2, 3) if comm.rank == 1 else (3, 2), np.float32))
+            elif differing == "large shape":  # travels apart from its announcement
+                announced_allreduce(comm, np.ones((2, 3000) if comm.rank == 1 else (3000, 2), np.float32))
+            elif differing == "fused shapes":
+                fused_allreduce(comm, [np.ones(1 + (comm.rank == 1)), np.ones(2 - (comm.rank == 1))], "sum")
+            else:
+                announced_allreduce(comm, np.ones(count, np.float32), op)
         return str(raised.value)
 
     for message in run_threads(body, 3, timeout=20):
