@@ -199,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tune",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="probe and time every all-reduce algorithm first (comm.tune(), cached in $COLLECTIVES_TUNING_DIR "
-        "or ~/.cache/collectives); default: on when auto is measured, unless --probe",
+        help="probe and time every all-reduce algorithm first (comm.tune(), cached in $COLLECTIVES_TUNING_DIR, "
+        "else $XDG_CACHE_HOME/collectives, else ~/.cache/collectives); default: on when auto is measured, "
+        "unless --probe",
     )
     parser.add_argument("--csv", metavar="PATH", help="write every row as CSV")
     parser.add_argument("--json", metavar="PATH", help="write rows, parameters and environment as JSON")
