@@ -52,7 +52,10 @@ def transfer_input(x: Any) -> Any:
     """
     src = _as_array(x)
     if src.dtype.hasobject or src.dtype.kind not in "biufc":
-        raise TypeError(f"cannot communicate arrays of dtype {src.dtype}; use a numeric dtype")
+        raise TypeError(
+            f"cannot communicate arrays of dtype {src.dtype}: only numpy's own numeric dtypes travel (bool, "
+            f"integers, floats, complex); cast it first (bfloat16 to float32, say)"
+        )
     return src
 
 

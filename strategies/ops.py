@@ -187,24 +187,19 @@ def alltoall(tensor: Any, splits: Any = None, comm: Communicator | None = None) 
     tensor = as_input(tensor)
     if tensor.shape.rank == 0:
         raise ValueError(f"rank {comm.rank}: alltoall needs a tensor with at least one dimension to split")
-    if splits is None:
-        if tensor.shape[0] is not None and tensor.shape[0] % comm.size:
-            raise ValueError(
-                f"rank {comm.rank}: alltoall without splits splits the first dimension evenly, but "
-                f"{tensor.shape[0]} rows do not divide among {comm.size} ranks; pass splits"
-            )
-        splits = tf.fill([comm.size], tf.shape(tensor, out_type=tf.int64)[0] // comm.size)
-    splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
+    # without splits the communicator splits evenly, and says so where the rows do not divide, also
+    # where the first dimension is known only when the graph runs
+    counts = [] if splits is None else [tf.cast(tf.convert_to_tensor(splits), tf.int64)]
 
-    def exchange(a: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        received, received_counts = comm.alltoall(a, counts)
+    def exchange(a: np.ndarray, *given: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        received, received_counts = comm.alltoall(a, given[0] if given else None)
         return received, received_counts.astype(np.int32)
 
     if tf.executing_eagerly():
-        received, received_counts = exchange(as_array(tensor), as_array(splits))
+        received, received_counts = exchange(as_array(tensor), *(as_array(c) for c in counts))
         return as_tensor(received), tf.convert_to_tensor(received_counts)
     received, received_counts = tf.numpy_function(
-        exchange, [tensor, splits], [tensor.dtype, tf.int32], stateful=True, name="collectives_alltoall"
+        exchange, [tensor, *counts], [tensor.dtype, tf.int32], stateful=True, name="collectives_alltoall"
     )
     received.set_shape([None, *tensor.shape[1:]])
     received_counts.set_shape([comm.size])

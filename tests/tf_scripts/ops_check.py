@@ -110,6 +110,15 @@ def check_alltoall(comm: collectives.Communicator) -> None:
             raise AssertionError(f"the error does not name the rank: {error}") from error
     else:
         raise AssertionError("alltoall split an indivisible tensor evenly")
+    # rows known only when the graph runs: the same error, not one about send counts never passed
+    unknown_rows = tf.function(lambda t: alltoall(t, comm=comm), input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+    try:
+        unknown_rows(tf.zeros([comm.size + 1, 2]))
+    except tf.errors.OpError as error:
+        if "do not divide among" not in str(error):
+            raise AssertionError(f"the error does not say the rows do not divide: {error}") from error
+    else:
+        raise AssertionError("alltoall split an indivisible tensor evenly in a tf.function")
 
 
 def check_reduce_scatter(comm: collectives.Communicator) -> None:
