@@ -181,6 +181,7 @@ def alltoall(tensor: Any, splits: Any = None, comm: Communicator | None = None) 
 
     Returns:
         (the received rows concatenated in rank order, the int32 row counts received from each rank).
+        Differentiable, as Horovod's: each row's gradient goes back to the rank it came from.
     """
     tf = tensorflow()
     comm = communicator(comm)
@@ -195,21 +196,29 @@ def alltoall(tensor: Any, splits: Any = None, comm: Communicator | None = None) 
         received, received_counts = comm.alltoall(a, given[0] if given else None)
         return received, received_counts.astype(np.int32)
 
-    if tf.executing_eagerly():
-        received, received_counts = exchange(as_array(tensor), *(as_array(c) for c in counts))
-        return as_tensor(received), tf.convert_to_tensor(received_counts)
-    received, received_counts = tf.numpy_function(
-        exchange, [tensor, *counts], [tensor.dtype, tf.int32], stateful=True, name="collectives_alltoall"
-    )
-    received.set_shape([None, *tensor.shape[1:]])
-    received_counts.set_shape([comm.size])
-    return received, received_counts
+    def forward(x: Any) -> tuple[Any, Any]:
+        if tf.executing_eagerly():
+            received, received_counts = exchange(as_array(x), *(as_array(c) for c in counts))
+            return as_tensor(received), tf.convert_to_tensor(received_counts)
+        received, received_counts = tf.numpy_function(
+            exchange, [x, *counts], [x.dtype, tf.int32], stateful=True, name="collectives_alltoall"
+        )
+        received.set_shape([None, *x.shape[1:]])
+        received_counts.set_shape([comm.size])
+        return received, received_counts
+
+    def backward(result: Any, upstream: Any, _counts_upstream: Any = None) -> Any:
+        # each row goes back where it came from: the rows received from rank j, to rank j
+        return alltoall(_after(tf, result, upstream), result[1], comm)[0]
+
+    return _with_gradient(tf, forward, backward, tensor)
 
 
 def reduce_scatter(tensor: Any, op: str | ReduceOp = "sum", comm: Communicator | None = None) -> Any:
     """`tensor` reduced over all ranks with `op`, of which this rank keeps its block of rows: the
     first dimension split as evenly as possible, the first ranks getting one row more (Horovod's
-    layout)."""
+    layout). Differentiable for sum and mean, as Horovod's: the gradient is every rank's gradient
+    block, gathered."""
     tf = tensorflow()
     comm = communicator(comm)
     op = reduce_op(op)
@@ -224,7 +233,15 @@ def reduce_scatter(tensor: Any, op: str | ReduceOp = "sum", comm: Communicator |
     def scatter(a: np.ndarray) -> np.ndarray:
         return comm.reduce_scatter(a, op)
 
-    return _apply(tf, scatter, tensor, [rows, *tensor.shape[1:]], "collectives_reduce_scatter")
+    def forward(x: Any) -> Any:
+        return _apply(tf, scatter, x, [rows, *x.shape[1:]], "collectives_reduce_scatter")
+
+    def backward(result: Any, upstream: Any) -> Any:
+        # every rank's block of the gradient, in rank order: what each row of the input went into
+        gathered = allgather(_after(tf, result, upstream), comm)
+        return gathered / tf.cast(comm.size, gathered.dtype) if _differentiable(op) is ReduceOp.MEAN else gathered
+
+    return _with_gradient(tf, forward, backward, tensor)
 
 
 def reduce_op(op: str | ReduceOp) -> ReduceOp:

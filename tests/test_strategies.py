@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -238,6 +239,37 @@ def test_tensor_collectives_eagerly_and_in_tf_function() -> None:
         np.testing.assert_array_equal(gathered_graph, expected_rows)
         np.testing.assert_array_equal(broadcast_value, [2.0, 4.0])
         np.testing.assert_array_equal(broadcast_graph, [2.0, 4.0])
+
+
+@needs_tf
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_reduce_scatter_and_alltoall_send_each_row_its_gradient(graph: bool) -> None:
+    """Their gradients were None: a loss through them trained nothing before them. Rank r weighs
+    its outputs by r + 1 (reduce-scatter) and 10 (r + 1) (all-to-all): each input row gets the
+    weight of the rank its values went to."""
+    import tensorflow as tf
+
+    from collectives.strategies import alltoall, reduce_scatter
+
+    def body(comm: collectives.Communicator) -> tuple[list[float], list[float]]:
+        v = tf.Variable(np.arange(8, dtype=np.float32).reshape(4, 2))
+        splits = tf.constant([1, 3] if comm.rank == 0 else [2, 2])
+
+        def gradients() -> tuple[Any, Any]:
+            with tf.GradientTape() as tape:
+                scattered = tf.reduce_sum(reduce_scatter(v, op="sum", comm=comm) * float(comm.rank + 1))
+            through_scatter = tape.gradient(scattered, v)
+            with tf.GradientTape() as tape:
+                received, _ = alltoall(v, splits, comm=comm)
+                exchanged = tf.reduce_sum(received * float(10 * (comm.rank + 1)))
+            return through_scatter, tape.gradient(exchanged, v)
+
+        scatter, exchange = (tf.function(gradients) if graph else gradients)()
+        return scatter.numpy()[:, 0].tolist(), exchange.numpy()[:, 0].tolist()
+
+    (scatter_0, exchange_0), (scatter_1, exchange_1) = run_threads(body, 2, timeout=60)
+    assert scatter_0 == scatter_1 == [1.0, 1.0, 2.0, 2.0]
+    assert exchange_0 == [10.0, 20.0, 20.0, 20.0] and exchange_1 == [10.0, 10.0, 20.0, 20.0]
 
 
 @needs_tf
