@@ -119,12 +119,20 @@ def post_refusal(
     return None
 
 
+CALLER = -1
+"""The origin of an abort that no rank caused: the program that runs the ranks (`run_threads`
+interrupted by Ctrl-C)."""
+
+
 def error_from_abort(origin: int, kind: str, text: str, *, rank: int) -> CollectiveError:
     """Rebuild, on `rank`, the error that made rank `origin` abort.
 
     A mismatch stays a `MismatchError` on every rank (each rank can then report both sides);
-    anything else surfaces as `PeerLostError` naming the rank that failed first.
+    anything else surfaces as `PeerLostError` naming the rank that failed first (none for
+    `CALLER`).
     """
+    if origin == CALLER:
+        return PeerLostError(f"rank {rank}: {text}")
     if kind == ABORT_MISMATCH:
         return MismatchError(f"{text} (reported to rank {rank} by rank {origin})")
     if kind == ABORT_CLOSED:

@@ -260,10 +260,12 @@ class Communicator:
         result, target = output_buffers(out, src.shape, src.dtype, src)
         flat = flat_view(src)
         if self.size == 1:
+            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
             return _Local(copy_back(result, target, flat), src)
         header = collective_header("allreduce", src, algorithm=chosen, op=op)
-        contributors = self.size if chosen == NATIVE else registry.lookup(chosen).contributors(self.size)
-        flat, op = divided_first(op, flat, contributors)
+        if op is ReduceOp.MEAN:  # only a mean may divide first: nothing else looked up per call
+            contributors = self.size if chosen == NATIVE else registry.lookup(chosen).contributors(self.size)
+            flat, op = divided_first(op, flat, contributors)
         if chosen == NATIVE:
             # in a meeting (threads), where a rank's buffers live decides how they join it
             says_buffer = self._transport.native_meets
@@ -371,6 +373,7 @@ class Communicator:
         flat = flat_view(src)
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         if self.size == 1:
+            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
             return _Local(copy_back(result, target, flat[mine]), src)
         summed, summing_op = divided_first(op, flat, self.size)
         if self._runs_natively("reduce_scatter", src) and src.shape[0] % self.size == 0:
@@ -412,6 +415,7 @@ class Communicator:
         result, target = output_buffers(out, shape, src.dtype, src)
         flat = flat_view(src)
         if self.size == 1:
+            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
             return _Local(copy_back(result, target, flat), src)
         if self._runs_natively("allgather", src):
 
@@ -451,6 +455,7 @@ class Communicator:
         result, target = output_buffers(out, src.shape, src.dtype, src)
         flat = flat_view(src)
         if self.size == 1:
+            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
             return _Local(copy_back(result, target, flat), src)
         native = self._runs_natively("broadcast", src)
 
@@ -485,6 +490,7 @@ class Communicator:
         a barrier costs one round of synchronisation, not two.
         """
         if self.size == 1:
+            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
             return _Local(None)
         if self._transport.agrees_natively:
             return b"barrier", _agreement_only, HeaderCheck.AGREEMENT
@@ -522,6 +528,7 @@ class Communicator:
         row_items = math.prod(row_shape)
         flat = flat_view(src)
         if self.size == 1:
+            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
             return _Local((flat.copy().reshape(src.shape), counts), src)
         size, rank = self.size, self.rank
 
@@ -546,7 +553,6 @@ class Communicator:
     def _call(self, plan: _Plan) -> Any:
         """Run a planned collective now and return its result (the blocking form)."""
         if isinstance(plan, _Local):
-            self._sequencer.check_open()  # a closed one-rank world refuses work as a larger one does
             return plan.result
         header, run, check = plan
         return self._sequencer.call(header, run, check=check)
@@ -554,7 +560,6 @@ class Communicator:
     def _start(self, plan: _Plan) -> Work:
         """Queue a planned collective; its `Work` gets the result (the async form)."""
         if isinstance(plan, _Local):
-            self._sequencer.check_open()
             return completed_work(plan.result)
         header, run, check = plan
         return self._sequencer.submit(header, run, check=check)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from collectives.backends.errors import add_note
+from collectives.backends.errors import CALLER, add_note
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
 from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES
 
@@ -88,7 +88,7 @@ def run_threads(
         _join(threads, failures, timeout)
     except KeyboardInterrupt:
         # Ctrl-C: the ranks waiting in a collective would wait out its timeout, unseen
-        fabric.abort(0, RuntimeError("run_threads was interrupted (KeyboardInterrupt) in its caller"))
+        fabric.abort(CALLER, RuntimeError("run_threads was interrupted (KeyboardInterrupt) in its caller"))
         _join_within([thread for thread in threads if thread.ident is not None], _INTERRUPT_GRACE_SECONDS)
         raise
     if failures:
