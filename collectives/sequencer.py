@@ -90,19 +90,27 @@ class Work(concurrent.futures.Future):
     of it; timelines use them to show communication against computation.
     """
 
-    def __init__(self, what: str = "the collective", runner: threading.Thread | None = None) -> None:
-        """`what`: the collective, for messages; `runner`: the communication thread that runs it."""
+    def __init__(self, header: bytes = b"", rank: int | None = None, runner: threading.Thread | None = None) -> None:
+        """`header` and `rank`: the collective and its rank, for messages (formatted only for one);
+        `runner`: the communication thread that runs it."""
         super().__init__()
         self.started_at: float | None = None
         self.finished_at: float | None = None
-        self._what = what
+        self._header = header
+        self._rank = rank
         self._runner = runner
+
+    def _what(self) -> str:
+        if self._rank is None:
+            return "the collective"
+        return f"rank {self._rank}: {self._header.decode(errors='replace')}"
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective finishes and return its result (or raise its error).
 
         Raises:
-            TimeoutError: `timeout` seconds passed first; the collective keeps running and the
+            TimeoutError: `timeout` seconds passed first (`concurrent.futures.TimeoutError`, as a
+                Future raises; the builtin one from Python 3.11 on); the collective keeps running and the
                 communicator is not broken (a failed collective raises `CollectiveError`).
             RuntimeError: called on the communication thread (in a callback of another
                 asynchronous collective) before this one has run: it would wait for itself.
@@ -113,25 +121,25 @@ class Work(concurrent.futures.Future):
         self._refuse_waiting_for_itself()
         try:
             return super().result(timeout)
-        except concurrent.futures.TimeoutError:  # TimeoutError itself from Python 3.11 on
-            raise TimeoutError(self._still_running(timeout)) from None
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+            raise concurrent.futures.TimeoutError(self._still_running(timeout)) from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._refuse_waiting_for_itself()
         try:
             return super().exception(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(self._still_running(timeout)) from None
+            raise concurrent.futures.TimeoutError(self._still_running(timeout)) from None
 
     def _still_running(self, timeout: float | None) -> str:
-        return f"{self._what} is still running after {timeout:g} s; wait again (the communicator is not broken)"
+        return f"{self._what()} is still running after {timeout:g} s; wait again (the communicator is not broken)"
 
     def _refuse_waiting_for_itself(self) -> None:
         """Raise where the communication thread, which alone runs this collective, would wait for
         it (a done-callback waiting on a later collective), rather than wait for ever."""
         if self._runner is not None and threading.current_thread() is self._runner and not self.done():
             raise RuntimeError(
-                f"{self._what} was waited for on the communication thread (in a callback of an asynchronous "
+                f"{self._what()} was waited for on the communication thread (in a callback of an asynchronous "
                 f"collective), which alone runs it: it would wait for itself. Wait for it outside the callback"
             )
 
@@ -228,7 +236,7 @@ class Sequencer:
         """
         with self._submit_lock:
             seq = self._next_seq(header)
-            work = Work(self._described(header), self._started_thread())
+            work = Work(header, self._transport.rank, self._started_thread())
             self._enqueue(_Task(seq, header, run, work, check))
         return work
 
@@ -254,7 +262,7 @@ class Sequencer:
             seq = self._next_seq(header)
             self._caller = caller
             if seq != self._next_to_run:
-                work = Work(self._described(header), self._started_thread())
+                work = Work(header, self._transport.rank, self._started_thread())
                 self._enqueue(_Task(seq, header, run, work, check))
         try:
             if work is None:
@@ -348,9 +356,6 @@ class Sequencer:
         """Hand `task` to the communication thread (lock held)."""
         self._started_thread()
         self._queue.put(task)
-
-    def _described(self, header: bytes) -> str:
-        return f"rank {self._transport.rank}: {header.decode(errors='replace')}"
 
     def check_open(self) -> None:
         """Raise `CommunicatorBrokenError` where no collective may start (broken or closed): for
