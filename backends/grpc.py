@@ -570,6 +570,8 @@ class GrpcTransport(Transport):
         self._lost: dict[int, CollectiveError] = {}
         self._failures: dict[int, _ContextFailure] = {}
         """Per context (see `dup`): why its operations fail, once it aborted or closed."""
+        self._held_back = 0
+        """Readers waiting (lock held) for a receive to be posted, which a posted receive wakes."""
         self._contexts = {0}  # this transport's own and its duplicates'
         self._closed = False
         self._sessions: dict[int, _Session] = {}  # per source: its one authenticated stream, for good
@@ -997,7 +999,8 @@ class GrpcTransport(Transport):
                 if refusal is None:
                     if incoming is None:
                         self._matcher.post_receive((src, tag), request)
-                        self._space.notify_all()  # a reader held back for want of this receive reads on
+                        if self._held_back:
+                            self._space.notify_all()  # a reader held back for want of this receive reads on
                         return request
                     if not incoming.complete:
                         incoming.recv = request  # the arriving frames will complete it
@@ -1116,7 +1119,11 @@ class GrpcTransport(Transport):
                     and src not in self._lost
                     and self._failure(tag) is None
                 ):
-                    self._space.wait(1.0)
+                    self._held_back += 1
+                    try:
+                        self._space.wait(1.0)
+                    finally:
+                        self._held_back -= 1
             if not awaited:
                 raise wire.FrameError(
                     f"rank {src} sent a message of {total} bytes (tag {tag}) that no receive awaits, more than "
@@ -1138,7 +1145,11 @@ class GrpcTransport(Transport):
                 and not self._closed
                 and src not in self._lost
             ):
-                self._space.wait(1.0)
+                self._held_back += 1
+                try:
+                    self._space.wait(1.0)
+                finally:
+                    self._held_back -= 1
 
     def _begin(self, src: int, tag: int, header: bytes, total: int, data: memoryview) -> None:
         """First frame of a multi-frame message."""

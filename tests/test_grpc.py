@@ -191,6 +191,17 @@ def test_tls_files_that_are_not_what_tls_needs_are_named(tmp_path: Path) -> None
     config = wire.load_config(env_for(0, 2, **tls))
     assert config.tls is not None and config.tls.ca is not None
     certificate_and_key = "are not a PEM certificate and its private key"
+    weak = tmp_path / "weak"  # a 1024-bit key: gRPC takes it, OpenSSL's default security level does not
+    weak.mkdir()
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:1024", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-keyout", str(weak / "key.pem"), "-out", str(weak / "cert.pem")],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    weak_files = {"COLLECTIVES_TLS_CERT": str(weak / "cert.pem"), "COLLECTIVES_TLS_KEY": str(weak / "key.pem")}
+    assert wire.load_config(env_for(0, 2, **weak_files)).tls is not None
     for changed, words in [
         ({"COLLECTIVES_TLS_CERT": str(garbage)}, certificate_and_key),
         ({"COLLECTIVES_TLS_KEY": str(garbage)}, certificate_and_key),
