@@ -7,11 +7,13 @@ the result, written into 64-byte aligned memory, becomes a tensor without a copy
 in program order, so every rank issues its collectives in the order the code calls them, which the
 communicator requires.
 
-`allreduce`, `grouped_allreduce`, `allgather` and `broadcast` have gradients, as Horovod's, so they
-can sit inside a differentiated model: the gradient of an all-reduce is the all-reduce of the
-incoming gradients with the same op (sum or mean); of an all-gather, the sum over ranks of the
-incoming gradient, of which each rank keeps its own rows; of a broadcast, the sum over ranks on the
-root and zeros elsewhere. `allreduce` and `grouped_allreduce` are join-aware (see `joining`).
+Every collective here has a gradient, as Horovod's, so it can sit inside a differentiated model:
+the gradient of an all-reduce is the all-reduce of the incoming gradients with the same op (sum or
+mean); of an all-gather, the sum over ranks of the incoming gradient, of which each rank keeps its
+own rows; of a broadcast, the sum over ranks on the root and zeros elsewhere; of a reduce-scatter,
+every rank's incoming block gathered (and divided by the number of ranks, for a mean); of an
+all-to-all, each row's incoming gradient sent back to the rank it came from. `allreduce` and
+`grouped_allreduce` are join-aware (see `joining`).
 
 A collective op occupies one of TensorFlow's inter-op threads until every rank has joined it. With
 one rank per process (the normal case) that is harmless; ranks that are threads of one process
@@ -238,8 +240,9 @@ def reduce_scatter(tensor: Any, op: str | ReduceOp = "sum", comm: Communicator |
 
     def backward(result: Any, upstream: Any) -> Any:
         # every rank's block of the gradient, in rank order: what each row of the input went into
+        mean = _differentiable(op) is ReduceOp.MEAN  # refused before anything is sent
         gathered = allgather(_after(tf, result, upstream), comm)
-        return gathered / tf.cast(comm.size, gathered.dtype) if _differentiable(op) is ReduceOp.MEAN else gathered
+        return gathered / tf.cast(comm.size, gathered.dtype) if mean else gathered
 
     return _with_gradient(tf, forward, backward, tensor)
 

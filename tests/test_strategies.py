@@ -258,7 +258,8 @@ def test_reduce_scatter_and_alltoall_send_each_row_its_gradient(graph: bool) -> 
         def gradients() -> tuple[Any, Any]:
             with tf.GradientTape() as tape:
                 scattered = tf.reduce_sum(reduce_scatter(v, op="sum", comm=comm) * float(comm.rank + 1))
-            through_scatter = tape.gradient(scattered, v)
+                averaged = tf.reduce_sum(reduce_scatter(v, op="mean", comm=comm) * float(comm.rank + 1))
+            through_scatter = tape.gradient([scattered, averaged], v)
             with tf.GradientTape() as tape:
                 received, _ = alltoall(v, splits, comm=comm)
                 exchanged = tf.reduce_sum(received * float(10 * (comm.rank + 1)))
@@ -268,7 +269,7 @@ def test_reduce_scatter_and_alltoall_send_each_row_its_gradient(graph: bool) -> 
         return scatter.numpy()[:, 0].tolist(), exchange.numpy()[:, 0].tolist()
 
     (scatter_0, exchange_0), (scatter_1, exchange_1) = run_threads(body, 2, timeout=60)
-    assert scatter_0 == scatter_1 == [1.0, 1.0, 2.0, 2.0]
+    assert scatter_0 == scatter_1 == [1.5, 1.5, 3.0, 3.0]  # the sum's weights, and half of them for the mean
     assert exchange_0 == [10.0, 20.0, 20.0, 20.0] and exchange_1 == [10.0, 10.0, 20.0, 20.0]
 
 
