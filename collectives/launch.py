@@ -41,6 +41,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
+from collectives import launch_rank
 from collectives.backends._grpc_config import ENV_BIND, ENV_REUSE_PORT
 from collectives.backends.base import ENV_RANKS_PER_NODE
 from collectives.bootstrap import ENV_ADDRESSES, ENV_BACKEND, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
@@ -453,8 +454,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         print("collectives.launch: --ranks-per-node must be at least 1", file=sys.stderr)
         return 2
-    # every rank runs through launch_rank: whole lines of output, and an end with the launcher
-    rank_command = [sys.executable, "-m", "collectives.launch_rank", *(["-m"] if args.module else []), args.script]
+    # every rank runs through launch_rank: whole lines of output, and an end with the launcher; run
+    # as a file, so that the package (numpy, and its threads) is not imported before the script: a
+    # process-directed signal may go to any thread, and one taken by a thread other than the main
+    # one leaves a Python handler waiting until the main thread's blocking call returns
+    rank_command = [sys.executable, launch_rank.__file__, *(["-m"] if args.module else []), args.script]
     rank_command += args.args
     if args.backend == "mpi":
         mpiexec = _find_mpiexec()

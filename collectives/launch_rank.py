@@ -1,6 +1,7 @@
-"""`python -m collectives.launch_rank [-m] script [args...]`: one rank that `collectives.launch`
+"""`python .../collectives/launch_rank.py [-m] script [args...]`: one rank that `collectives.launch`
 started, run as `python [-m] script args...` would run it, its output line-buffered, and ended
-with the launcher.
+with the launcher. It needs nothing but the standard library, and the launcher runs it as a file,
+so that no module of the package (nor numpy, nor its threads) is loaded before the script.
 
 mpiexec labels a rank's output (`-prepend-rank`) piece by piece, as each write arrives, not line
 by line. A rank whose output was unbuffered wrote every argument of a `print` apart, so its lines
@@ -36,10 +37,11 @@ def main(argv: Sequence[str]) -> None:
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=False)
     if not argv or (argv[0] == "-m" and len(argv) < 2):
-        raise SystemExit("usage: python -m collectives.launch_rank [-m] script [args...]")
+        raise SystemExit("usage: python launch_rank.py [-m] script [args...]")
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()  # where `python -m` looks first (run as a file, this one's folder)
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)

@@ -284,6 +284,23 @@ def test_terminated_launcher_stops_its_ranks(tmp_path: Path) -> None:
     assert not [pid for pid in pids if alive(pid)], "a rank outlived the terminated launcher"
 
 
+@pytest.mark.parametrize("backend", ["grpc", pytest.param("mpi", marks=needs_mpi)])
+def test_a_rank_starts_with_nothing_of_the_package_loaded(tmp_path: Path, backend: str) -> None:
+    """The rank's wrapper ran as `python -m collectives.launch_rank`, which imported the package,
+    numpy and its threads before the script: a SIGTERM the kernel gave one of those threads left
+    the script's handler waiting until its main thread's sleep ended (the launcher killed it)."""
+    result = launch(
+        tmp_path,
+        "import sys\nprint('loaded', 'numpy' in sys.modules, 'collectives' in sys.modules)\n",
+        "-n",
+        "2",
+        "--backend",
+        backend,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("loaded False False") == 2, result.stdout
+
+
 def test_ranks_end_with_a_killed_launcher(tmp_path: Path) -> None:
     """SIGKILL to the launcher (an out-of-memory kill, `kill -9`) runs none of its clean-up; its
     ranks trained on by themselves. Each now ends with it, and a child a rank starts is not told
