@@ -259,8 +259,7 @@ class Communicator:
         self.last_algorithm = chosen
         result, target = output_buffers(out, src.shape, src.dtype, src)
         flat = flat_view(src)
-        if self.size == 1:
-            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
+        if self._runs_alone():
             return _Local(copy_back(result, target, flat), src)
         header = collective_header("allreduce", src, algorithm=chosen, op=op)
         if op is ReduceOp.MEAN:  # only a mean may divide first: nothing else looked up per call
@@ -372,8 +371,7 @@ class Communicator:
         result, target = output_buffers(out, shape, src.dtype, src)
         flat = flat_view(src)
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
-        if self.size == 1:
-            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
+        if self._runs_alone():
             return _Local(copy_back(result, target, flat[mine]), src)
         summed, summing_op = divided_first(op, flat, self.size)
         if self._runs_natively("reduce_scatter", src) and src.shape[0] % self.size == 0:
@@ -414,8 +412,7 @@ class Communicator:
         shape = (self.size * rows, *src.shape[1:])
         result, target = output_buffers(out, shape, src.dtype, src)
         flat = flat_view(src)
-        if self.size == 1:
-            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
+        if self._runs_alone():
             return _Local(copy_back(result, target, flat), src)
         if self._runs_natively("allgather", src):
 
@@ -454,8 +451,7 @@ class Communicator:
         src = transfer_input(x)
         result, target = output_buffers(out, src.shape, src.dtype, src)
         flat = flat_view(src)
-        if self.size == 1:
-            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
+        if self._runs_alone():
             return _Local(copy_back(result, target, flat), src)
         native = self._runs_natively("broadcast", src)
 
@@ -489,8 +485,7 @@ class Communicator:
         collective without rounds of its own (a direct all-reduce) meets them and fails. Either way
         a barrier costs one round of synchronisation, not two.
         """
-        if self.size == 1:
-            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
+        if self._runs_alone():
             return _Local(None)
         if self._transport.agrees_natively:
             return b"barrier", _agreement_only, HeaderCheck.AGREEMENT
@@ -527,8 +522,7 @@ class Communicator:
         row_shape = src.shape[1:]
         row_items = math.prod(row_shape)
         flat = flat_view(src)
-        if self.size == 1:
-            self._sequencer.check_open()  # a closed one-rank world refuses work, before writing `out`
+        if self._runs_alone():
             return _Local((flat.copy().reshape(src.shape), counts), src)
         size, rank = self.size, self.rank
 
@@ -699,6 +693,14 @@ class Communicator:
     def _segment_bytes(self, buf: Any) -> int:
         """The pipelining granularity for `buf`: `device_segment_bytes` for a GPU array."""
         return self.device_segment_bytes if is_device(buf) else self.segment_bytes
+
+    def _runs_alone(self) -> bool:
+        """Whether this world is one rank, whose collectives need no exchange; a closed or broken one
+        refuses them here, before a plan writes `out`, as a larger one does."""
+        if self.size != 1:
+            return False
+        self._sequencer.check_open()
+        return True
 
     def _choose_allreduce(self, algorithm: str, nbytes: int, dtype: np.dtype) -> str:
         if algorithm != "auto":
