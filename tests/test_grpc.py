@@ -1197,7 +1197,7 @@ def test_receive_taking_an_arriving_message_fails_when_the_sender_goes(how: str)
 def test_strangers_are_refused_and_the_world_still_works() -> None:
     world = run_world(2, ["intruders"])
     per_rank = results(world)
-    codes = per_rank[0]["intruders"]["codes"]
+    codes, details = per_rank[0]["intruders"]["codes"], per_rank[0]["intruders"]["details"]
     assert codes == {
         "hello_no_claims": "INVALID_ARGUMENT",
         "stream_no_proof": "UNAUTHENTICATED",
@@ -1208,7 +1208,7 @@ def test_strangers_are_refused_and_the_world_still_works() -> None:
         "stream_oversized_unread": "UNAUTHENTICATED",
         "unknown_method": "UNIMPLEMENTED",
         "hello_duplicate_rank": "FAILED_PRECONDITION",
-    }, codes
+    }, details
     warnings = [line for line in world.outputs[1].splitlines() if "refused a call from ipv4:127.0.0.1:" in line]
     assert warnings and "authentication failed" in warnings[0], world.outputs[1]
     assert all("allreduce" in r and "collectives" in r for r in per_rank)

@@ -161,11 +161,11 @@ def scenario_kill(comm: Communicator) -> None:
     emit(scenario="kill", error=None, seconds=time.monotonic() - start)
 
 
-def _intrude(target: str, secret: str | None) -> dict[str, str]:
+def _intrude(target: str, secret: str | None) -> tuple[dict[str, str], dict[str, str]]:
     """Call the peer's server as a stranger (and, with the secret, a confused insider) would; return
-    the status code of each attempt."""
+    the status code of each attempt, and the details the server or gRPC gave with it."""
     import grpc
-    from intruder import ABORT, HELLO, STREAM, hello, identity, stream_metadata
+    from intruder import ABORT, BIG_MESSAGES, HELLO, STREAM, hello, identity, stream_metadata
 
     from collectives.backends.grpc import (
         COUNTER_METADATA_KEY,
@@ -176,8 +176,24 @@ def _intrude(target: str, secret: str | None) -> dict[str, str]:
     )
 
     codes: dict[str, str] = {}
+    details: dict[str, str] = {}
+
+    def record(name: str, error: grpc.RpcError | None) -> None:
+        codes[name] = "OK" if error is None else error.code().name
+        details[name] = "" if error is None else str(error.details())
+
+    if secret is not None:
+        # Rank 0 already has its stream to this server: a second handshake is refused. On a
+        # connection of its own, so that what the abuse below leaves on a connection (calls the
+        # server has not yet retired, a message still being refused) cannot decide its answer.
+        with grpc.insecure_channel(target, options=BIG_MESSAGES) as channel:
+            try:
+                hello(channel, 0, 2, secret.encode())
+                record("hello_duplicate_rank", None)
+            except grpc.RpcError as error:
+                record("hello_duplicate_rank", error)
     claims = ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2"))
-    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+    with grpc.insecure_channel(target, options=BIG_MESSAGES) as channel:
         calls = {
             name: channel.stream_unary(method, request_serializer=identity, response_deserializer=identity)
             for name, method in (
@@ -191,9 +207,9 @@ def _intrude(target: str, secret: str | None) -> dict[str, str]:
         def attempt(name: str, method: str, metadata: tuple = (), body: list[bytes] | None = None) -> None:
             try:
                 calls[method](iter(body or []), metadata=metadata, timeout=5)
-                codes[name] = "OK"
+                record(name, None)
             except grpc.RpcError as error:
-                codes[name] = error.code().name
+                record(name, error)
 
         # Rank 0 already has its stream here, so a stranger cannot even get a session to prove:
         # it makes one up, as a proof made with a wrong secret would look.
@@ -208,12 +224,6 @@ def _intrude(target: str, secret: str | None) -> dict[str, str]:
         attempt("stream_rank_out_of_range", "stream", ((RANK_METADATA_KEY, "99"), (SIZE_METADATA_KEY, "2")))
         attempt("stream_oversized_unread", "stream", claims, [b"x" * (17 * 1024 * 1024)])
         attempt("unknown_method", "nope")
-        if secret is not None:
-            try:  # rank 0 already has its stream to this server: a second handshake is refused
-                hello(channel, 0, 2, secret.encode())
-                codes["hello_duplicate_rank"] = "OK"
-            except grpc.RpcError as error:
-                codes["hello_duplicate_rank"] = error.code().name
     host, port = target.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as raw:  # not even HTTP/2
         raw.sendall(b"\x00\xffGET / HTTP/1.1\r\n\r\n" + os.urandom(4096))
@@ -221,7 +231,7 @@ def _intrude(target: str, secret: str | None) -> dict[str, str]:
             raw.recv(100)
         except OSError:
             pass
-    return codes
+    return codes, details
 
 
 def scenario_intruders(comm: Communicator) -> None:
@@ -229,7 +239,8 @@ def scenario_intruders(comm: Communicator) -> None:
     comm.barrier()
     if comm.rank == 0:
         addresses = os.environ["COLLECTIVES_ADDRESSES"].split(",")
-        emit(scenario="intruders", codes=_intrude(addresses[1], os.environ.get("COLLECTIVES_SECRET")))
+        codes, details = _intrude(addresses[1], os.environ.get("COLLECTIVES_SECRET"))
+        emit(scenario="intruders", codes=codes, details=details)
     comm.barrier()
     scenario_allreduce(comm)
     scenario_collectives(comm)
