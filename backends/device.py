@@ -164,6 +164,11 @@ class Runtime(Protocol):
         """A page-locked host buffer of `nbytes` bytes (uint8), for fast device <-> host copies."""
         ...
 
+    def model(self, like: Any) -> str:
+        """The kind of GPU holding `like`, as its name and memory say ("NVIDIA H100 80GB HBM3,
+        79 GiB"): what a measurement on it is valid for."""
+        ...
+
 
 class CupyRuntime:
     """The runtime over CuPy (>= 13).
@@ -238,6 +243,12 @@ class CupyRuntime:
             return np.empty(0, dtype=np.uint8)
         memory = self._cupy.cuda.alloc_pinned_memory(nbytes)  # what cupyx.empty_pinned wraps
         return np.frombuffer(memory, dtype=np.uint8, count=nbytes)
+
+    def model(self, like: Any) -> str:
+        properties = self._cupy.cuda.runtime.getDeviceProperties(like.device.id)
+        name = properties["name"]
+        name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        return f"{name}, {round(properties['totalGlobalMem'] / (1 << 30))} GiB"
 
     def _transfer_stream(self) -> Any:
         """This thread's transfer stream of the current device (made on first use)."""

@@ -147,6 +147,9 @@ class FakeRuntime:
             self.pinned_allocations += 1
         return np.empty(nbytes, dtype=np.uint8)
 
+    def model(self, like: Any) -> str:
+        return f"Fake GPU {like.device_id}, 1 GiB"
+
     def entries(self, what: str) -> list[tuple[Any, ...]]:
         """The log entries of one kind ("copy", "ready", ...)."""
         with self._lock:

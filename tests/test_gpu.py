@@ -128,6 +128,20 @@ def test_device_body_in_many_segments(name: str) -> None:
     collectives.run_threads(DEVICE_BODIES[name], 3, timeout=120, device_segment_bytes=4096)
 
 
+def test_the_tuning_key_holds_the_gpu_model(cupy: Any) -> None:
+    from collectives.backends.device import runtime
+    from collectives.selection.tuning import hardware_key, measured_hardware
+
+    class Measuring:
+        def measurement_buffer(self, count: int, dtype: Any) -> Any:
+            return cupy.empty(count, dtype)
+
+    model = runtime().model(cupy.empty(0, np.uint8))
+    name, memory = model.rsplit(", ", 1)
+    assert name.strip() and memory.endswith(" GiB") and int(memory.split()[0]) > 0, model
+    assert measured_hardware(Measuring()) == f"{hardware_key()}|{model}"
+
+
 @pytest.mark.parametrize("compression", ["none", "fp16"])
 def test_gradient_buckets_on_the_device(cupy: Any, compression: str) -> None:
     """The gradient tape's buckets for a model on a GPU: filled, all-reduced and averaged on the

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fake_gpu import installed, on_device
 
 import collectives
 import collectives.selection.tuning as tuning
@@ -34,11 +35,28 @@ def test_cache_dir_honours_xdg_and_the_override(tmp_path, monkeypatch) -> None:
 def test_fingerprint_holds_the_hardware_not_the_host_name(monkeypatch) -> None:
     topology = Topology(("a", "a", "b", "b"))
     renamed = Topology(("x", "x", "y", "y"))
-    first = tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20)
-    assert first == tuning._cache_fingerprint(renamed, "ThreadTransport", 1 << 20)
+    first = tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20, tuning.hardware_key())
+    assert first == tuning._cache_fingerprint(renamed, "ThreadTransport", 1 << 20, tuning.hardware_key())
     assert "cores" in tuning.hardware_key() and "GiB" in tuning.hardware_key()
-    monkeypatch.setattr(tuning, "hardware_key", lambda: "another machine")
-    assert tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20) != first
+    assert tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20, "another machine") != first
+
+
+def test_on_device_memory_the_key_holds_the_gpu_model() -> None:
+    """Tunings measured on two kinds of GPU in one host's cache (an H100 node and an A100 node
+    sharing a home directory) must not share a file; host-memory tunings keep the host's key."""
+
+    class Measuring:
+        def __init__(self, buffer: object) -> None:
+            self.buffer = buffer
+
+        def measurement_buffer(self, count: int, dtype: object) -> object:
+            return self.buffer
+
+    assert tuning.measured_hardware(Measuring(np.empty(0, np.uint8))) == tuning.hardware_key()
+    with installed():
+        first, second = (tuning.measured_hardware(Measuring(on_device(np.empty(0), gpu))) for gpu in (0, 1))
+    assert first.startswith(tuning.hardware_key() + "|") and "Fake GPU 0" in first
+    assert first != second
 
 
 def test_code_key_is_the_modules_source_wherever_they_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,7 +87,7 @@ def test_fingerprint_holds_the_code_so_a_file_measured_by_other_code_is_never_re
     """A file outlives the code that measured it; after any change to the library's modules the
     version may stay the same, but the file's key does not, and `show` says whose file it is."""
     topology = Topology(("a", "a", "b", "b"))
-    first = tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20)
+    first = tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20, tuning.hardware_key())
     assert len(tuning.code_key()) == 16
     monkeypatch.setenv(tuning.ENV_TUNING_DIR, str(tmp_path))
     collectives.run_threads(lambda comm: comm.tune((4096,)), 2)
@@ -77,7 +95,7 @@ def test_fingerprint_holds_the_code_so_a_file_measured_by_other_code_is_never_re
     assert "by this build" in capsys.readouterr().out
 
     monkeypatch.setattr(tuning, "code_key", lambda: "changed code")
-    assert tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20) != first
+    assert tuning._cache_fingerprint(topology, "ThreadTransport", 1 << 20, tuning.hardware_key()) != first
     assert tuning.main(["show", "--dir", str(tmp_path)]) == 0
     assert "by another build, never read by this one" in capsys.readouterr().out
     measured = []

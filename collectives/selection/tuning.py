@@ -14,11 +14,12 @@ The probed link costs and the ratios are saved as JSON under a name made from a 
 the backend, the node layout, the segment size, the library's build (its version and a digest of
 its modules, `code_key`: a file measured by other code is never read) and rank 0's hardware
 (`hardware_key`: CPU model, usable cores, memory; not the host name, so identical machines share
-files). Rank 0 reads and checks the file and broadcasts it, so a second run with the same layout
-starts tuned without measuring, and ranks on different machines cannot end up with different
-files' contents. Rank 0 alone writes it, through a scratch file renamed into place, so a reader
-never sees half a file. Files live in `$COLLECTIVES_TUNING_DIR`, else `$XDG_CACHE_HOME/collectives`,
-else ~/.cache/collectives; `python -m collectives.selection show|clear` lists or deletes them.
+files; on device memory also the GPU's model). Rank 0 reads and checks the file and broadcasts it,
+so a second run with the same layout starts tuned without measuring, and ranks on different
+machines cannot end up with different files' contents. Rank 0 alone writes it, through a scratch
+file renamed into place, so a reader never sees half a file. Files live in
+`$COLLECTIVES_TUNING_DIR`, else `$XDG_CACHE_HOME/collectives`, else ~/.cache/collectives;
+`python -m collectives.selection show|clear` lists or deletes them.
 
 `Communicator.calibrate()` (what `collectives.init()` runs by default) is `calibrate`: the cached
 tuning when there is one, else a quick pass (a probe, then `QUICK_ROUNDS` rounds at `QUICK_SIZES`)
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from collectives._version import __version__
+from collectives.backends import device
 from collectives.backends.cpus import usable_cpus
 from collectives.core import arrays
 from collectives.core.topology import LinkCost, LinkCosts, Topology
@@ -174,29 +176,40 @@ def code_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_fingerprint(topology: Topology, backend: str, segment_bytes: int) -> str:
+def measured_hardware(comm: Communicator) -> str:
+    """The hardware `comm`'s tuning is measured on, as its file's key knows it: `hardware_key`,
+    and where the backend's buffers live in device memory (NCCL) the GPU's model too, since the
+    engine's costs there are the GPU's (tunings of two kinds of GPU in one host's cache must not
+    share a file)."""
+    buffer = comm.measurement_buffer(0, np.uint8)
+    if arrays.is_device(buffer):
+        return f"{hardware_key()}|{device.runtime().model(buffer)}"
+    return hardware_key()
+
+
+def _cache_fingerprint(topology: Topology, backend: str, segment_bytes: int, hardware: str) -> str:
     """What a tuning file is valid for: this node layout on `backend` (a transport's class name),
     at this segment size, measured by this build of the library (its version and `code_key`) on
-    this hardware (rank 0's, which alone reads and writes the files)."""
-    return topology.fingerprint(f"{backend}|segment={segment_bytes}|{__version__}|{code_key()}|{hardware_key()}")
+    this hardware (`measured_hardware` of rank 0, which alone reads and writes the files)."""
+    return topology.fingerprint(f"{backend}|segment={segment_bytes}|{__version__}|{code_key()}|{hardware}")
 
 
-def _layout_words(topology: Topology, backend: str, segment_bytes: int) -> str:
+def _layout_words(topology: Topology, backend: str, segment_bytes: int, hardware: str) -> str:
     """What `_cache_fingerprint` hashes, in words, for `show`: the name alone does not say which
     run a file serves."""
     nodes = ", ".join(str(list(ranks)) for ranks in topology.nodes)
     return (
         f"{backend}, {topology.size} ranks on {topology.num_nodes} node(s) {nodes}, segment {segment_bytes} B, "
-        f"hardware {hardware_key()}"
+        f"hardware {hardware}"
     )
 
 
 def _cache_path(comm: Communicator, backend: str, cache_dir: str | os.PathLike | None) -> tuple[Path, str, str]:
     """`comm`'s tuning file, its fingerprint, and what the fingerprint stands for in words."""
-    topology, segment_bytes = comm.topology, comm.measured_segment_bytes
-    fingerprint = _cache_fingerprint(topology, backend, segment_bytes)
+    topology, segment_bytes, hardware = comm.topology, comm.measured_segment_bytes, measured_hardware(comm)
+    fingerprint = _cache_fingerprint(topology, backend, segment_bytes, hardware)
     path = cache_file(cache_dir if cache_dir is not None else default_cache_dir(), fingerprint)
-    return path, fingerprint, _layout_words(topology, backend, segment_bytes)
+    return path, fingerprint, _layout_words(topology, backend, segment_bytes, hardware)
 
 
 def load_or_measure(
