@@ -819,13 +819,12 @@ def alltoall_counts(send_counts: Any, rows: int, rank: int, size: int) -> np.nda
     counts = np.asarray(send_counts)
     if counts.shape != (size,) or counts.dtype.kind not in "iu":
         raise ValueError(f"rank {rank}: send counts must be {size} integers (one per rank), got {send_counts!r}")
-    counts = counts.astype(np.int64)
-    if (counts < 0).any() or int(counts.sum()) != rows:
+    values = [int(count) for count in counts]  # Python ints: a uint64 or a sum cannot wrap around
+    if min(values) < 0 or sum(values) != rows:
         raise ValueError(
-            f"rank {rank}: send counts must be non-negative and sum to the {rows} rows of the input, "
-            f"got {counts.tolist()}"
+            f"rank {rank}: send counts must be non-negative and sum to the {rows} rows of the input, got {values}"
         )
-    return counts
+    return np.array(values, dtype=np.int64)
 
 
 def _exchange_hosts(group: Group, host: str) -> tuple[str, ...]:

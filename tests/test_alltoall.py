@@ -56,6 +56,8 @@ def test_alltoall_refuses_bad_counts_naming_the_rank() -> None:
             comm.alltoall(np.zeros(5), [1, 1])
         with pytest.raises(ValueError, match="non-negative"):
             comm.alltoall(np.zeros(5), [6, -1])
+        with pytest.raises(ValueError, match=r"got \[18446744073709551615, 2\]"):  # not -1 after a cast
+            comm.alltoall(np.zeros(1), np.array([2**64 - 1, 2], dtype=np.uint64))
         with pytest.raises(ValueError, match="2 integers"):
             comm.alltoall(np.zeros(5), [5])
         with pytest.raises(ValueError, match="at least one dimension"):
