@@ -30,7 +30,7 @@ import numpy as np
 
 from collectives import Communicator
 from collectives.core.layout import even_bounds
-from collectives.core.ops import ReduceOp
+from collectives.core.ops import ReduceOp, check_reduction
 
 from ._tensorflow import (
     as_array,
@@ -55,10 +55,19 @@ def allreduce(
     tensor: Any, op: str | ReduceOp = "sum", comm: Communicator | None = None, *, algorithm: str = "auto"
 ) -> Any:
     """`tensor` reduced over all ranks with `op` (sum, mean or average, max, min, prod); same shape
-    and dtype. Differentiable for sum and mean."""
+    and dtype. Differentiable for sum and mean.
+
+    A `tf.IndexedSlices` (an embedding's gradient) summed or averaged stays sparse, as in Horovod:
+    every rank's rows and indices are all-gathered (rows several ranks touched appear once per
+    rank, and add up where they are applied), so the result costs what the ranks touched, not the
+    whole table. All-gathers are not join-aware: while a rank has joined they fail with
+    `MismatchError` (see `joining`). With max, min or prod the slices are reduced as the dense
+    tensor they stand for."""
     tf = tensorflow()
     comm = communicator(comm)
     op = reduce_op(op)
+    if isinstance(tensor, tf.IndexedSlices) and op in (ReduceOp.SUM, ReduceOp.MEAN):
+        return _gathered_slices(tf, tensor, op, comm)
     tensor = as_input(tensor)
 
     def reduce(a: np.ndarray) -> np.ndarray:
@@ -71,6 +80,15 @@ def allreduce(
         return allreduce(_after(tf, result, upstream), _differentiable(op), comm, algorithm=algorithm)
 
     return _with_gradient(tf, forward, backward, tensor)
+
+
+def _gathered_slices(tf, slices: Any, op: ReduceOp, comm: Communicator) -> Any:
+    """The sum or mean of every rank's `slices` as one `tf.IndexedSlices` of all their rows."""
+    check_reduction(op, np.dtype(slices.values.dtype.as_numpy_dtype))  # what the dense tensor would allow
+    values = allgather(slices.values, comm)
+    if op is ReduceOp.MEAN:
+        values = values / tf.cast(comm.size, values.dtype)
+    return tf.IndexedSlices(values, allgather(slices.indices, comm), dense_shape=slices.dense_shape)
 
 
 def grouped_allreduce(

@@ -243,6 +243,52 @@ def test_tensor_collectives_eagerly_and_in_tf_function() -> None:
 
 @needs_tf
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_allreduce_of_indexed_slices_stays_sparse(graph: bool) -> None:
+    """As Horovod's: a summed or averaged embedding gradient is every rank's rows and indices, not
+    the dense table (which it still equals once applied); its gradient reaches each rank's rows. A
+    max is the dense tensors' max."""
+    import tensorflow as tf
+
+    from collectives.strategies import allreduce
+
+    def body(comm: collectives.Communicator) -> list[Any]:
+        values = tf.Variable(tf.fill([comm.rank + 1, 2], float(comm.rank + 1)))
+        indices = tf.constant([3] if comm.rank == 0 else [0, 3], tf.int64)
+
+        def reduced() -> list[Any]:
+            with tf.GradientTape() as tape:
+                slices = tf.IndexedSlices(values * 1.0, indices, dense_shape=tf.constant([5, 2], tf.int64))
+                summed, averaged = (allreduce(slices, op=op, comm=comm) for op in ("sum", "average"))
+                loss = tf.reduce_sum(summed.values + averaged.values) * float(comm.rank + 1)
+            maximum = allreduce(slices, op="max", comm=comm)
+            kinds = [isinstance(r, tf.IndexedSlices) for r in (summed, averaged, maximum)]
+            return [kinds, summed.indices, summed.values, averaged.values, maximum, tape.gradient(loss, values)]
+
+        kinds, *arrays = (tf.function(reduced) if graph else reduced)()
+        return [kinds, *(a.numpy() for a in arrays)]
+
+    for rank, (kinds, indices, summed, averaged, maximum, gradient) in enumerate(run_threads(body, 2, timeout=60)):
+        assert kinds == [True, True, False]
+        np.testing.assert_array_equal(indices, [3, 0, 3])
+        np.testing.assert_array_equal(summed, [[1, 1], [2, 2], [2, 2]])
+        np.testing.assert_array_equal(averaged, [[0.5, 0.5], [1, 1], [1, 1]])
+        np.testing.assert_array_equal(maximum, [[2, 2], [0, 0], [0, 0], [2, 2], [0, 0]])
+        np.testing.assert_array_equal(gradient, np.full((rank + 1, 2), 3.0 + 1.5))  # sum of weights 1, 2
+
+
+@needs_tf
+def test_a_mean_of_integer_slices_is_refused_before_anything_is_sent() -> None:
+    import tensorflow as tf
+
+    from collectives.strategies import allreduce
+
+    slices = tf.IndexedSlices(tf.ones([1, 2], tf.int32), tf.constant([0]), dense_shape=tf.constant([4, 2]))
+    with pytest.raises(TypeError, match="op 'mean' needs a floating-point dtype"):
+        run_threads(lambda comm: allreduce(slices, op="mean", comm=comm), 2, timeout=20)
+
+
+@needs_tf
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 def test_reduce_scatter_and_alltoall_send_each_row_its_gradient(graph: bool) -> None:
     """Their gradients were None: a loss through them trained nothing before them. Rank r weighs
     its outputs by r + 1 (reduce-scatter) and 10 (r + 1) (all-to-all): each input row gets the
