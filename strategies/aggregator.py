@@ -21,16 +21,17 @@ difference instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from collectives import Communicator
+from collectives import Communicator, MismatchError
 from collectives.timeline import Timeline
 
 from ._tensorflow import as_array, as_operand, as_tensor, communicator, on_gpu, tensorflow
@@ -144,14 +145,15 @@ class GradientAggregator:
     def _aggregate_eagerly(self, tf, gradients, kinds, entries, exchange, handed_over=None) -> list[Any]:
         self._ensure_checked(entries)
         handed_over = handed_over or {}
-        for variable in reversed(range(len(gradients))):  # backprop order: later layers first
-            if variable in exchange.variables:
-                gradient = gradients[variable]
-                if variable in handed_over:
-                    _check_handed_over(handed_over[variable], gradient, entries[variable])
-                else:
-                    exchange.deposit(variable, as_operand(gradient))
-        dense = exchange.collect_all()
+        with _naming_the_layout(entries):
+            for variable in reversed(range(len(gradients))):  # backprop order: later layers first
+                if variable in exchange.variables:
+                    gradient = gradients[variable]
+                    if variable in handed_over:
+                        _check_handed_over(handed_over[variable], gradient, entries[variable])
+                    else:
+                        exchange.deposit(variable, as_operand(gradient))
+            dense = exchange.collect_all()
         self.steps += 1
         self.last_exchange = exchange
         results: list[Any] = []
@@ -211,7 +213,7 @@ class GradientAggregator:
                 results[variable] = tf.IndexedSlices(values, indices, gradient.dense_shape)
         for index, bucket in enumerate(exchange.buckets):
             dtype = tf.as_dtype(bucket.dtype)
-            collect = functools.partial(self._collect, exchange, index)
+            collect = functools.partial(self._collect, exchange, index, entries)
             outputs = tf.numpy_function(
                 collect,
                 [tokens[index]],
@@ -228,12 +230,16 @@ class GradientAggregator:
         self, exchange: BucketExchange, index: int, entries: tuple[str, ...], *gradients: np.ndarray
     ) -> np.int64:
         self._ensure_checked(entries)
-        for slot, gradient in zip(exchange.buckets[index].slots, gradients):
-            exchange.deposit(slot.variable, gradient)
+        with _naming_the_layout(entries):
+            for slot, gradient in zip(exchange.buckets[index].slots, gradients):
+                exchange.deposit(slot.variable, gradient)
         return np.int64(index)
 
-    def _collect(self, exchange: BucketExchange, index: int, token: np.int64) -> list[np.ndarray]:
-        gradients = exchange.collect(index)
+    def _collect(
+        self, exchange: BucketExchange, index: int, entries: tuple[str, ...], token: np.int64
+    ) -> list[np.ndarray]:
+        with _naming_the_layout(entries):
+            gradients = exchange.collect(index)
         if index == len(exchange.buckets) - 1:
             self.steps += 1
         return gradients
@@ -318,6 +324,33 @@ def _fingerprint(
     else:
         described = [describe(variable_name(v), tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables]
     return tuple(f"{entry} {kind}" for entry, kind in zip(described, kinds))
+
+
+@contextlib.contextmanager
+def _naming_the_layout(entries: tuple[str, ...]) -> Iterator[None]:
+    """A `MismatchError` of a step's collectives, told which variables this rank's step had no
+    gradient for: ranks whose steps leave different variables without one run different
+    collectives, which the communicator's words alone do not trace back to the model."""
+    try:
+        yield
+    except MismatchError as error:
+        raise MismatchError(
+            f"{error}; this rank's gradient step had {_layout_words(entries)} (ranks whose steps have "
+            "gradients for different variables, None on some ranks only, fail this way)"
+        ) from error
+
+
+def _layout_words(entries: tuple[str, ...], shown: int = 5) -> str:
+    """Which of `_fingerprint`'s entries are None or sparse, in words (the first `shown` of each)."""
+
+    def listed(kind: str) -> str:
+        names = [entry.rsplit(" ", 1)[0] for entry in entries if entry.endswith(f" {kind}")]
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        return ", ".join(names[:shown]) + more if names else "none"
+
+    sparse = listed(SPARSE)
+    words = f"no gradient for: {listed(NONE)} (of {len(entries)} variables)"
+    return words if sparse == "none" else f"{words}; sparse ones for: {sparse}"
 
 
 def variable_name(variable: Any) -> str:
