@@ -361,14 +361,15 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release resources. Pending requests fail; further calls are errors."""
 
-    def leaving(self, next_tag: int) -> None:  # noqa: B027 - a hook most backends need not fill
-        """Called just before `close` by a communicator that closes cleanly: this rank will start
-        no collective from the one whose tags begin at `next_tag` on.
+    def leaving(self, next_tag: int, *, running: bool = False) -> None:  # noqa: B027 - a hook most backends need not fill
+        """Called before `close` by a communicator that closes cleanly: this rank will start no
+        collective from the one whose tags begin at `next_tag` on; or, with `running`, by one
+        whose program exits while that collective runs: it will not finish it (nor start later ones).
 
-        A peer that called more collectives (uneven data, a loop that ran once more) must fail in
-        the first of them at once, naming this rank, not at its deadline. Threads and gRPC need
-        nothing for that: their peers see a closed endpoint or an ended stream. A backend whose
-        peers would see nothing (MPI) tells them as it closes."""
+        A peer that called more collectives (uneven data, a loop that ran once more), or waits in
+        the abandoned one, must fail at once, naming this rank, not at its deadline. Threads and
+        gRPC need nothing for that: their peers see a closed endpoint or an ended stream. A backend
+        whose peers would see nothing (MPI) tells them as it closes."""
 
 
 def check_buffer(buf: Buffer) -> None:

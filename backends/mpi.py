@@ -664,6 +664,7 @@ class MPITransport(Transport):
         self._abort_since: int | None = None
         """Requests on tags from here on fail once `_abort` is set (see `abort_reaches`)."""
         self._leaving_since: int | None = None
+        self._leaving_running = False
         """The first tag of the collectives this rank will never start, once `leaving` said so."""
         self._departed: set[int] = set()
         """The peers whose closing note (`leaving`) has arrived."""
@@ -936,9 +937,11 @@ class MPITransport(Transport):
             self._abort_since = earlier_abort(self._abort_since, since_tag)
         self._fail_pending(notice)
 
-    def leaving(self, next_tag: int) -> None:
-        """Remember where this rank stops, for the closing note `close` sends every peer."""
+    def leaving(self, next_tag: int, *, running: bool = False) -> None:
+        """Remember where this rank stops, and whether inside a collective, for the closing note
+        `close` sends every peer."""
         self._leaving_since = next_tag
+        self._leaving_running = running
 
     # -- native all-reduce and agreement ---------------------------------------------------------
 
@@ -1125,7 +1128,10 @@ class MPITransport(Transport):
             self._tell_peers(
                 ABORT_CLOSED,
                 self._leaving_since,
-                "closed its communicator (or exited) after its last collective, so this one cannot "
+                "exited in the middle of a collective (this one or an earlier one), so this one cannot "
+                "complete: did its program end, or raise, with asynchronous collectives still running?"
+                if self._leaving_running
+                else "closed its communicator (or exited) after its last collective, so this one cannot "
                 "complete: this rank called more collectives than it did (uneven data across ranks, "
                 "or a loop that ran once more?)",
             )

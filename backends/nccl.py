@@ -1016,8 +1016,8 @@ class NcclTransport(Transport):
         if error is not None:
             self._channel.abort(error, None)
 
-    def leaving(self, next_tag: int) -> None:
-        self.control.leaving(next_tag)  # the agreements wait there: a peer hears of it there
+    def leaving(self, next_tag: int, *, running: bool = False) -> None:
+        self.control.leaving(next_tag, running=running)  # the agreements wait there: a peer hears of it there
 
     def close(self) -> None:
         """Stop the progress thread, close the channel, release the communicators (destroyed when

@@ -270,8 +270,8 @@ class StagedTransport(AgreesThrough):
     def abort(self, error: BaseException, since_tag: int | None = None) -> None:
         self.inner.abort(error, since_tag)
 
-    def leaving(self, next_tag: int) -> None:
-        self.inner.leaving(next_tag)
+    def leaving(self, next_tag: int, *, running: bool = False) -> None:
+        self.inner.leaving(next_tag, running=running)
 
     def close(self) -> None:
         self.inner.close()

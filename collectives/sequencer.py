@@ -71,10 +71,17 @@ def _close_at_exit() -> None:
     transport tells it as it closes, `Transport.leaving`), not at its deadline. Registered when
     the first sequencer is made, after its transport: `atexit` runs it before the hooks that
     transports register to close themselves, which cannot say where their rank stopped. One
-    with a collective still running is left as it is."""
+    with a collective still running (the program ended, or raised, without waiting for its
+    asynchronous work) is not closed, which would wait for that collective, perhaps until its
+    deadline: its transport is told which collective this rank abandons, and its peers hear of it
+    when the transport's own hook closes it."""
     for _, sequencer in sorted(_OPEN.items(), reverse=True):  # newest first, as every rank made them
-        if sequencer._next_to_run <= sequencer._last_submitted:
-            continue  # a collective still runs: closing would wait for it, up to its deadline
+        running = sequencer._next_to_run
+        if running <= sequencer._last_submitted:
+            if sequencer._broken is None:  # a broken one has told its peers already (`_break`)
+                first_abandoned = collective_tags(running % _TAG_WRAP, "the abandoned collective").start
+                sequencer._transport.leaving(first_abandoned, running=True)
+            continue
         try:
             sequencer.close()
         except Exception:  # noqa: BLE001 - exiting anyway; the others must still close

@@ -278,6 +278,13 @@ def test_closing_note_spares_earlier_collectives_and_ranks_closing_together_free
 
 
 @needs_mpi
+def test_a_rank_exiting_mid_collective_is_heard_of_at_once() -> None:
+    """A program that ends (or raises) with an asynchronous collective running left its peers
+    waiting out their timeout: its communicator was not closed, so no closing note was sent."""
+    assert_ok(mpirun(2, str(SCRIPTS / "exit_mid_collective.py")), 2, "exit mid-collective ok")
+
+
+@needs_mpi
 def test_slow_peer_is_not_a_lost_peer() -> None:
     """A rank that arrives after the others' timeout: the first to time out raises
     CollectiveTimeoutError, the rest PeerLostError, and since nobody died the job exits normally
