@@ -54,6 +54,12 @@ _FAILURE_GRACE_SECONDS = 1.0
 stopped: long enough for a rank that raised first to exit with its own code."""
 _ERROR_MARKERS = ("Traceback (most recent call last):", "collective failed")
 """A line of a rank's standard error that starts or contains one of these reports its failure."""
+_STALE_ERROR_SECONDS = 30.0
+"""An error line that came this long before the first rank failed by itself was about something its
+rank got over (a traceback it caught and logged, training on): it does not make that rank the
+first to fail. Long enough for a failing rank's exit hooks (closing its transport) after its
+traceback."""
+_ERROR_TIMES_KEPT = 256
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -160,8 +166,8 @@ class _Rank:
         arriving while the next line runs still finds it to stop."""
         self.label = label
         self.last_lines: collections.deque[str] = collections.deque(maxlen=_LAST_LINES)
-        self.first_error_at: float | None = None
-        """When the first line reporting an error came from its standard error (monotonic)."""
+        self.error_lines_at: collections.deque[float] = collections.deque(maxlen=_ERROR_TIMES_KEPT)
+        """When lines reporting an error came from its standard error (monotonic; the latest ones)."""
         self.exited_at: float | None = None
         """When it was seen to have exited (monotonic)."""
         self.stopped = False
@@ -186,8 +192,8 @@ class _Rank:
         its end has come, so lines of different ranks and streams never mix)."""
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
-            if target is sys.stderr and self.first_error_at is None and any(m in line for m in _ERROR_MARKERS):
-                self.first_error_at = time.monotonic()
+            if target is sys.stderr and any(marker in line for marker in _ERROR_MARKERS):
+                self.error_lines_at.append(time.monotonic())
             with lock:
                 self.last_lines.append(line)
                 if target in _CLOSED_OUTPUTS:
@@ -345,12 +351,19 @@ def _let_the_others_fail(ranks: list[_Rank], received: list[int]) -> None:
 
 
 def _first_failure(ranks: list[_Rank]) -> _Rank:
-    """The rank that failed first: the one whose error line came first, else the first to exit
+    """The rank that failed first: the one whose error line came first (lines long before the
+    first rank failed by itself do not count: `_STALE_ERROR_SECONDS`), else the first to exit
     non-zero by itself (ranks the launcher stopped come last)."""
     failed = [rank for rank in ranks if rank.process.returncode not in (None, 0)]
-    reported = [rank for rank in failed if rank.first_error_at is not None]
-    if reported:
-        return min(reported, key=lambda rank: rank.first_error_at or 0.0)
+    first_exit = min((_exit_time(rank) for rank in failed if rank.ended_by_itself()), default=math.inf)
+    since = first_exit - _STALE_ERROR_SECONDS if first_exit < math.inf else -math.inf
+
+    def reported_at(rank: _Rank) -> float:
+        return next((at for at in rank.error_lines_at if at >= since), math.inf)
+
+    reporting = [rank for rank in failed if reported_at(rank) < math.inf]
+    if reporting:
+        return min(reporting, key=reported_at)
     return min(failed, key=lambda rank: (not rank.ended_by_itself(), _exit_time(rank)))
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -222,6 +223,33 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path: Path) ->
     pids = [int(line.split()[-1]) for line in result.stdout.splitlines() if " pid " in line]
     assert len(pids) == 3
     assert not [pid for pid in pids if alive(pid)], "a rank outlived the launcher"
+
+
+class _Ended:
+    """What the launcher's report reads of a rank: how and when it ended, when it printed errors."""
+
+    def __init__(self, code: int, exited_at: float, errors_at: tuple[float, ...] = (), stopped: bool = False) -> None:
+        self.process = types.SimpleNamespace(returncode=code)
+        self.exited_at, self.error_lines_at, self.stopped = exited_at, list(errors_at), stopped
+
+    def ended_by_itself(self) -> bool:
+        return not self.stopped
+
+
+def test_a_traceback_a_rank_got_over_long_before_does_not_make_it_the_culprit() -> None:
+    """Rank 0 logged a caught traceback at t=10 and trained on; rank 1 failed at t=500 and the
+    launcher stopped rank 0. Rank 0 was named as the rank that failed first, with its last lines."""
+    from collectives.launch import _STALE_ERROR_SECONDS, _first_failure
+
+    got_over = _Ended(-15, 501.0, errors_at=(10.0, 500.2), stopped=True)  # its "collective failed" came after
+    failing = _Ended(1, 500.5, errors_at=(500.0,))
+    assert _first_failure([got_over, failing]) is failing
+    # an error line shortly before the first exit still counts: the failing rank's exit hooks take time
+    earlier = _Ended(-15, 501.0, errors_at=(500.5 - _STALE_ERROR_SECONDS / 2,), stopped=True)
+    assert _first_failure([earlier, failing]) is earlier
+    # no error lines: the first rank to exit non-zero by itself
+    quiet = [_Ended(-15, 1.0, stopped=True), _Ended(2, 3.0), _Ended(3, 2.0)]
+    assert _first_failure(quiet) is quiet[2]
 
 
 def test_killed_rank_is_reported_as_a_signal(tmp_path: Path) -> None:
