@@ -47,16 +47,20 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         """Mean and variance per channel over every rank's batch (the base class's hook)."""
         tf = tensorflow()
         axes = self._reduction_axes
-        if mask is None:
-            weights = tf.ones_like(inputs)
-        else:
-            weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(inputs)), inputs.dtype)
+        # Masked-out positions are left out by selection, not multiplied by 0: padding may hold
+        # inf or NaN (or values whose square overflows), and inf * 0 is NaN, in the gradient too.
+        valid = None if mask is None else tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.bool), -1), tf.shape(inputs))
+
+        def kept(values: Any) -> Any:
+            return values if valid is None else tf.where(valid, values, tf.zeros_like(values))
+
+        count_here = tf.ones_like(inputs) if valid is None else tf.cast(valid, inputs.dtype)
         local = tf.stack(
-            [tf.reduce_sum(inputs * weights, axes, keepdims=True), tf.reduce_sum(weights, axes, keepdims=True)]
+            [tf.reduce_sum(kept(inputs), axes, keepdims=True), tf.reduce_sum(count_here, axes, keepdims=True)]
         )
         total, count = tf.unstack(allreduce(local, "sum", self._comm))
         count = tf.maximum(count, 1.0)  # no data anywhere: zeros rather than NaN
         mean = total / count  # the input's rank, 1 along the reduced axes: it broadcasts against the input
-        deviations = tf.reduce_sum(tf.square(inputs - mean) * weights, axes, keepdims=True)
+        deviations = tf.reduce_sum(tf.square(kept(inputs - mean)), axes, keepdims=True)
         variance = allreduce(deviations, "sum", self._comm) / count
         return tf.reshape(mean, [-1]), tf.reshape(variance, [-1])

@@ -492,6 +492,43 @@ def test_sync_batch_norm_variance_holds_for_inputs_far_from_zero(offset: float) 
 
 
 @needs_tf
+@pytest.mark.parametrize("pad", [np.inf, np.nan, 1e20])
+def test_sync_batch_norm_leaves_masked_padding_out_whatever_it_holds(pad: float) -> None:
+    """Masked-out steps holding inf, NaN, or a value whose square overflows: as Keras's own layer
+    on the global batch, they change nothing (they were multiplied by 0, which made outputs,
+    moving statistics and gradients NaN on every rank)."""
+    import keras
+    import tensorflow as tf
+
+    from collectives.strategies import SyncBatchNormalization
+
+    inputs = np.array([[[1.0], [2.0], [pad]], [[3.0], [4.0], [pad]]], np.float32)  # (batch, time, channel)
+    mask = np.array([[True, True, False]] * 2)
+
+    def normalized(layer: Any, x: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        x = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = layer(x, training=True, mask=tf.constant(m))
+            loss = tf.reduce_sum(tf.where(tf.expand_dims(m, -1), out * out * np.arange(1, 4, dtype=np.float32), 0.0))
+        stats = np.concatenate([layer.moving_mean.numpy(), layer.moving_variance.numpy()])
+        return out.numpy()[:, :2], stats, tape.gradient(loss, x).numpy()[:, :2]
+
+    expected = normalized(keras.layers.BatchNormalization(momentum=0.0), inputs, mask)
+    results = run_threads(
+        lambda comm: normalized(
+            SyncBatchNormalization(momentum=0.0, comm=comm), inputs[comm.rank : comm.rank + 1], mask[:1]
+        ),
+        2,
+        timeout=60,
+    )
+    for rank, (out, stats, gradient) in enumerate(results):
+        np.testing.assert_allclose(out, expected[0][rank : rank + 1], rtol=1e-5)
+        np.testing.assert_allclose(stats, expected[1], rtol=1e-5)
+        np.testing.assert_allclose(gradient, expected[2][rank : rank + 1], rtol=1e-4, atol=1e-6)
+
+
+@needs_tf
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 def test_tape_gradient_takes_sources_in_any_structure(graph: bool) -> None:
     """One variable, a list and a dict of them, as tf.GradientTape.gradient takes: the gradients
