@@ -25,9 +25,11 @@ that met an inf, so the ranks would part: it is refused when training starts, sa
 
 The subclass carries the base class's name and module, so `model.save` records the plain
 optimizer (its config and its variables): `keras.models.load_model` returns a model compiled with
-the plain optimizer, ready to be wrapped again. XLA cannot compile the exchange (it runs as
-`tf.numpy_function`): compile with `jit_compile=False` on machines with a GPU (on CPU-only
-machines Keras's default already is False).
+the plain optimizer, ready to be wrapped again. Wrapping a built optimizer (that one) carries its
+state over: the new optimizer takes its variables (step count, moments) when it is built, so a
+resumed `fit` goes on as an uninterrupted one would, as Horovod's `load_model` does. XLA cannot
+compile the exchange (it runs as `tf.numpy_function`): compile with `jit_compile=False` on
+machines with a GPU (on CPU-only machines Keras's default already is False).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 
 from collectives import Communicator
 
+from ._tensorflow import tensorflow
 from .accumulation import LocalAccumulation
 from .aggregator import GradientAggregator
 
@@ -55,8 +58,8 @@ def DistributedOptimizer(  # Horovod's name, although it is a function
     """A new optimizer of `optimizer`'s class and config that all-reduces gradients before applying them.
 
     Args:
-        optimizer: a Keras 3 optimizer (unbuilt, as passed to `model.compile`; its config is
-            copied, its state is not).
+        optimizer: a Keras 3 optimizer: its config is copied, and where it is built (a loaded
+            model's) its state too, taken when the new optimizer is built for the same variables.
         comm: the communicator; None means the one made by the last `collectives.init()`.
         aggregator: share a `GradientAggregator`; otherwise one is made from `options`.
         backward_passes_per_step: batches whose gradients are summed locally before each exchange
@@ -84,6 +87,7 @@ def DistributedOptimizer(  # Horovod's name, although it is a function
     distributed = _all_reducing_class(optimizer.__class__).from_config(optimizer.get_config())
     distributed.aggregator = aggregator
     distributed.accumulation = accumulation if accumulation.passes > 1 else None
+    distributed.state_source = optimizer if optimizer.built else None
     return distributed
 
 
@@ -92,10 +96,15 @@ class _AllReducing:
 
     aggregator: GradientAggregator
     accumulation: LocalAccumulation | None
+    state_source: Any = None
+    """The built optimizer this one was made from, whose state it takes when it is built."""
 
     def build(self, variables: Sequence[Any]) -> None:
         _refuse_a_loss_scaling_wrapper(self, sys._getframe(1).f_locals.get("self"))
         super().build(variables)  # type: ignore[misc]
+        source, self.state_source = self.state_source, None
+        if source is not None:
+            _take_state(self, source)
         if self.accumulation is not None and not self.accumulation.built:
             self.accumulation.build(variables)
 
@@ -117,6 +126,29 @@ class _AllReducing:
 
     def _apply_aggregated(self, grads: Sequence[Any], variables: Sequence[Any] | None) -> None:
         super().apply(self.aggregator.aggregate(grads, variables), variables)  # type: ignore[misc]
+
+
+def _take_state(optimizer: Any, source: Any) -> None:
+    """Assign `source`'s variables to `optimizer`'s, one by one in order (Keras's own way of saving
+    and loading them), where `optimizer` was built for variables like those `source` was.
+
+    Done eagerly (`init_scope`) also where Keras builds the optimizer while tracing its training
+    step: once, not as an op of every step.
+
+    Raises:
+        ValueError: the two were built for different variables (Keras would only warn and skip).
+    """
+    with tensorflow().init_scope():
+        state: dict[str, Any] = {}
+        source.save_own_variables(state)
+        mine = optimizer.variables
+        if len(state) != len(mine) or any(tuple(state[str(i)].shape) != tuple(v.shape) for i, v in enumerate(mine)):
+            raise ValueError(
+                f"the optimizer given to DistributedOptimizer was built for other variables than this model's: "
+                f"{len(state)} optimizer variables against {len(mine)} here (or of other shapes), so its state "
+                "cannot carry over. Wrap an unbuilt optimizer, or the loaded model's own"
+            )
+        optimizer.load_own_variables(state)
 
 
 def _refuse_a_loss_scaling_wrapper(optimizer: Any, builder: Any) -> None:

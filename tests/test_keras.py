@@ -8,6 +8,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -155,6 +156,65 @@ def test_a_saved_model_loads_with_the_plain_optimizer_and_its_state(tmp_path: Pa
     assert int(compiled.optimizer.iterations) == int(model.optimizer.iterations) == 3  # 6 batches, 2 per step
     for mine, theirs in zip(model.optimizer.variables, compiled.optimizer.variables):
         np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["compiled", "eager"])
+def test_fit_resumed_from_a_saved_model_goes_on_as_an_uninterrupted_one(tmp_path: Path, run_eagerly: bool) -> None:
+    """Two ranks: one epoch, save, load, wrap the loaded optimizer again, one more epoch: the same
+    weights and step count, bit for bit, as two epochs in one go (the wrapper copied the config
+    only, so Adam started again from zero moments and step 0: weights 0.2 off)."""
+    import keras
+
+    from collectives.strategies import BroadcastGlobalVariablesCallback, DistributedOptimizer
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    initial = small_model(0).get_weights()  # here: rank threads seeding Keras at once get other weights
+
+    def model() -> Any:
+        built = small_model(0)
+        built.set_weights(initial)
+        return built
+
+    def fit(comm: collectives.Communicator, model: Any, optimizer: Any, **epochs: int) -> None:
+        model.compile(optimizer=DistributedOptimizer(optimizer, comm=comm), loss=loss, run_eagerly=run_eagerly)
+        callbacks = [BroadcastGlobalVariablesCallback(0, comm=comm)]
+        model.fit(*rank_data(comm.rank), batch_size=4, shuffle=False, verbose=0, callbacks=callbacks, **epochs)
+
+    def body(comm: collectives.Communicator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        uninterrupted = model()
+        fit(comm, uninterrupted, keras.optimizers.Adam(0.1), epochs=2)
+        first = model()
+        fit(comm, first, keras.optimizers.Adam(0.1), epochs=1)
+        path = tmp_path / f"rank{comm.rank}.keras"
+        first.save(path)
+        resumed = keras.models.load_model(path)
+        fit(comm, resumed, resumed.optimizer, epochs=2, initial_epoch=1)
+        return [[v.numpy() for v in (*m.variables, *m.optimizer.variables)] for m in (uninterrupted, resumed)]
+
+    for uninterrupted, resumed in run_threads(body, 2, timeout=120):
+        assert len(uninterrupted) == len(resumed)
+        for expected, got in zip(uninterrupted, resumed):
+            np.testing.assert_array_equal(got, expected)
+
+
+def test_wrapping_an_optimizer_built_for_another_model_is_refused() -> None:
+    import keras
+
+    from collectives.strategies import DistributedOptimizer
+
+    other = keras.optimizers.Adam(0.1)
+    other.build(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]).trainable_variables)
+
+    def body(comm: collectives.Communicator) -> None:
+        model = small_model(0)
+        model.compile(
+            optimizer=DistributedOptimizer(other, comm=comm),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        with pytest.raises(ValueError, match="built for other variables than this model's"):
+            model.fit(*rank_data(0), batch_size=4, epochs=1, verbose=0)
+
+    run_threads(body, 1, timeout=60)
 
 
 # -- callbacks --------------------------------------------------------------------------------------
