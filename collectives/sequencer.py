@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from collectives.backends.base import Transport
-from collectives.backends.errors import LIBRARY_TAGS, CommunicatorBrokenError, ConcurrentUseError
+from collectives.backends.errors import LIBRARY_TAGS, CollectiveError, CommunicatorBrokenError, ConcurrentUseError
 from collectives.core.group import Group, HeaderCheck
 from collectives.core.tags import TAGS_PER_COLLECTIVE, collective_tags
 
@@ -128,14 +128,16 @@ class Work(concurrent.futures.Future):
         self._refuse_waiting_for_itself()
         try:
             return super().result(timeout)
-        except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+        except concurrent.futures.TimeoutError as error:  # the builtin TimeoutError from Python 3.11 on
+            if isinstance(error, CollectiveError):  # the collective's own (CollectiveTimeoutError), not the wait's
+                raise
             raise concurrent.futures.TimeoutError(self._still_running(timeout)) from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._refuse_waiting_for_itself()
         try:
             return super().exception(timeout)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError:  # only the wait's: the collective's error is returned
             raise concurrent.futures.TimeoutError(self._still_running(timeout)) from None
 
     def _still_running(self, timeout: float | None) -> str:

@@ -3,6 +3,7 @@ backend and without any algorithm: run functions here talk through the `Group` t
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -203,6 +204,22 @@ def test_a_wait_that_times_out_names_the_collective_and_says_it_runs_on(lone: Se
         work.wait(0.01)
     release.set()
     assert work.wait(TIMEOUT) is True
+
+
+def test_a_collective_that_timed_out_raises_its_own_error_from_wait(lone: Sequencer) -> None:
+    """CollectiveTimeoutError is a TimeoutError: the rewording of a wait that ran out caught it too,
+    and wait() failed with a TypeError, wait(30) said at once "still running ... not broken"."""
+
+    def late(group: object) -> None:
+        raise CollectiveTimeoutError(
+            "rank 0: receive from rank 1 did not complete within 1 s", rank=0, peer=1, tag=5, seconds=1.0
+        )
+
+    work = lone.submit(b"late one", late)
+    for wait in (work.wait, functools.partial(work.wait, TIMEOUT), work.result):
+        with pytest.raises(CollectiveTimeoutError, match="did not complete within 1 s"):
+            wait()
+    assert isinstance(work.exception(TIMEOUT), CollectiveTimeoutError)
 
 
 def test_close_in_a_work_callback_is_refused_and_closes_nothing(lone: Sequencer) -> None:
