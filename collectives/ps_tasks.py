@@ -69,7 +69,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from collectives.algorithms.parameter_server import NAME, ParameterServers, parameter_server, shard_servers
-from collectives.arguments import reduction_input
+from collectives.arguments import output_buffers, reduction_input
 from collectives.backends.base import Buffer, Consume, Request, Transport
 from collectives.backends.errors import CollectiveError, MismatchError
 from collectives.communicator import Communicator
@@ -198,6 +198,8 @@ class ParameterServerJob:
             raise ValueError(f"out must be a C-contiguous numpy array, got {type(out).__name__}")
         flat = np.ascontiguousarray(src).reshape(-1)
         target = None if out is None else out.reshape(-1)
+        if target is not None:  # as the all-reduce below will, but before the servers are told of it
+            output_buffers(target, flat.shape, flat.dtype, flat)
         descriptor = self.layout.encode(_ALLREDUCE, REDUCTION_DTYPES.index(flat.dtype), flat.size, _OPS.index(op))
         with self._pairing:
             described = self.world.allreduce_async(descriptor, "max", self.algorithm)
@@ -241,9 +243,13 @@ class ParameterServerJob:
             error = described.exception() or done.exception()  # `described` finished first
             if error is None:
                 served.set_result(done.result())
-            else:
-                context = f"rank {self.world.rank}: all-reduce on {self.describe_servers()} failed"
+                return
+            context = f"rank {self.world.rank}: all-reduce on {self.describe_servers()} failed"
+            try:
                 served.set_exception(_explained(error, context))
+            except Exception:  # noqa: BLE001 - `served` must complete, or its waiter waits for ever
+                log.exception("collectives: could not explain %r", error)
+                served.set_exception(error)
 
         work.add_done_callback(settle)
         return served
@@ -307,8 +313,19 @@ class ParameterServerJob:
 
 
 def _explained(error: BaseException, context: str) -> BaseException:
-    """A copy of `error` (same type and attributes) whose message starts with `context`."""
-    explained = type(error).__new__(type(error))
+    """A copy of `error` (same type and attributes) whose message starts with `context`.
+
+    Made without calling its class (whose `__init__` may want arguments it does not keep) by the
+    first `__new__` of its bases that can make one: that of the built-in base whose memory layout it
+    has (`CollectiveTimeoutError`, a RuntimeError and a TimeoutError, is laid out as an OSError)."""
+    cls = type(error)
+    for base in cls.__mro__:
+        make: Any = base.__new__
+        try:
+            explained = make(cls)
+            break
+        except TypeError:  # "X.__new__(cls) is not safe": not the base that lays it out
+            continue
     explained.__dict__.update(error.__dict__)
     explained.args = (f"{context}: {error}",)
     explained.__cause__ = error
@@ -331,6 +348,7 @@ class LeadingRanks(Transport):
         self.host = transport.host
         self.fuses_receive_reduce = transport.fuses_receive_reduce
         self.duplicable = transport.duplicable
+        self.needs_host_staging = transport.needs_host_staging  # GPU workers' arrays cross gRPC staged
 
     def _peer(self, peer: int) -> int:
         if not 0 <= peer < self.size:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_gpu import HostOnlyThreads, installed, on_device
 
 import collectives
 from collectives.algorithms.parameter_server import ParameterServers
@@ -126,10 +128,14 @@ def test_descriptor_needs_room_in_a_segment() -> None:
 
 
 def run_ps_world(
-    workers: int, servers: int, worker_main: Callable[[ParameterServerJob, collectives.Communicator], Any]
+    workers: int,
+    servers: int,
+    worker_main: Callable[[ParameterServerJob, collectives.Communicator], Any],
+    timeout: float = 20,
 ) -> tuple[list[Any], list[BaseException | None]]:
     """Thread ranks: the last `servers` serve (result: the number served), the others run
-    `worker_main(job, workers' communicator)` and then finish. Every wait is bounded."""
+    `worker_main(job, workers' communicator)` and then finish. Every wait is bounded (collectives
+    by `timeout`)."""
     size = workers + servers
     fabric = ThreadFabric(["node"] * size)
     results: list[Any] = [None] * size
@@ -137,7 +143,7 @@ def run_ps_world(
 
     def main(rank: int) -> None:
         transport = fabric.endpoint(rank)
-        world = collectives.Communicator(transport, timeout=20, segment_bytes=1024)
+        world = collectives.Communicator(transport, timeout=timeout, segment_bytes=1024)
         try:
             job = ParameterServerJob(world, servers, idle_timeout=20)
             if job.is_server:
@@ -203,6 +209,64 @@ def test_workers_that_disagree_stop_the_servers() -> None:
     assert isinstance(errors[2], collectives.MismatchError), errors
     assert "count from 10 to 11" in str(errors[2]) and "rank 2 (ps task 0)" in str(errors[2])
     assert all(isinstance(error, collectives.CollectiveError) for error in errors[:2]), errors
+
+
+def test_a_timed_out_all_reduce_on_the_servers_fails_naming_them() -> None:
+    """Worker 1 arrives after the 1 s timeout. Copying the CollectiveTimeoutError to name the
+    servers raised a TypeError in the Work's callback, and the Work never completed: the tape's
+    unbounded wait hung for good."""
+
+    def worker_main(job: ParameterServerJob, comm: collectives.Communicator) -> str:
+        if comm.rank == 1:
+            time.sleep(3)
+        try:
+            job.allreduce_async(np.ones(4)).wait(15)
+        except concurrent.futures.TimeoutError as error:
+            assert isinstance(error, collectives.CollectiveError), f"the Work never completed: {error}"
+            raise
+        return "no error"
+
+    _, errors = run_ps_world(2, 1, worker_main, timeout=1)
+    assert isinstance(errors[0], collectives.CollectiveTimeoutError), errors
+    assert "rank 0: all-reduce on the parameter server (ps task 0, rank 2) failed" in str(errors[0])
+    assert errors[0].rank == 0 and errors[0].seconds == 1  # the copy keeps the original's attributes
+
+
+def test_a_bad_out_is_refused_before_the_servers_hear_of_the_all_reduce() -> None:
+    """It was refused after the descriptor had gone to the servers: a worker that caught the error
+    and went on met the servers' pending data all-reduce, and every task failed."""
+
+    def worker_main(job: ParameterServerJob, comm: collectives.Communicator) -> list[float]:
+        for out in (np.zeros(3), np.zeros(5, np.float32)):
+            with pytest.raises(ValueError, match="out must have shape"):
+                job.allreduce_async(np.ones(5), out=out)
+        read_only = np.zeros(5)
+        read_only.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            job.allreduce_async(np.ones(5), out=read_only)
+        return job.allreduce_async(np.full(4, comm.rank + 1.0)).wait().tolist()
+
+    results, errors = run_ps_world(2, 1, worker_main)
+    assert errors == [None] * 3
+    assert results == [[3.0] * 4, [3.0] * 4, 1]
+
+
+def test_workers_communicator_stages_device_arrays_where_the_world_needs_it() -> None:
+    """GPU workers over gRPC with CPU ps tasks: the workers' communicator did not say that its
+    transport moves host memory only, so a device array was refused instead of staged."""
+    fabric = ThreadFabric(["node"] * 3)
+    assert LeadingRanks(HostOnlyThreads(fabric, 0), 2).needs_host_staging
+
+    def worker(rank: int) -> np.ndarray:
+        comm = collectives.Communicator(LeadingRanks(HostOnlyThreads(fabric, rank), 2), timeout=20)
+        try:
+            return np.asarray(comm.allreduce(on_device(np.full(3, rank + 1.0))))
+        finally:
+            comm.close()
+
+    with installed(), concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(worker, range(2)))
+    assert [r.tolist() for r in results] == [[3.0] * 3] * 2
 
 
 def test_server_refuses_malformed_or_oversized_descriptors() -> None:
