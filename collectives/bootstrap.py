@@ -157,6 +157,11 @@ def init(
             "init() again"
         )
     transport = _make_transport(chosen, timeout)
+    try:
+        _check_launched_size(chosen, transport.size, os.environ)
+    except RuntimeError:
+        transport.close()
+        raise
     logs.configure(transport.rank)
     _emulate_nodes(transport, os.environ)
     comm = Communicator(
@@ -257,6 +262,25 @@ def _make_transport(backend: str | None, timeout: float) -> Transport:
     from collectives.backends.threads import ThreadFabric
 
     return ThreadFabric(["localhost"]).endpoint(0)
+
+
+def _check_launched_size(chosen: str | None, size: int, environ: Mapping[str, str]) -> None:
+    """Refuse a world of another size than the launch started: with a `backend=` other than the
+    launch's (init(backend="mpi") under collectives.launch, or "threads" under mpiexec) every
+    process makes a world of its own and trains alone, each all-reduce returning its own data.
+
+    The launcher's COLLECTIVES_WORLD_SIZE counts; MPI's launch variables only against "threads"
+    (the MPI backend checks them itself, and a launcher run under srun or mpiexec passes them on
+    to its gRPC ranks)."""
+    names = (ENV_WORLD_SIZE,) if chosen != "threads" else (ENV_WORLD_SIZE, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    for name in names:
+        launched = environ.get(name, "")
+        if launched.isdigit() and int(launched) != size:
+            raise RuntimeError(
+                f"the launch started {launched} ranks ({name}={launched}), but init(backend={chosen!r}) made a "
+                f"world of {size}, so every process would train alone: leave backend= out to use the launch's "
+                "own transport, or launch with that backend (python -m collectives.launch --backend mpi|grpc|nccl)"
+            )
 
 
 def _parameter_server_tasks(backend: str | None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -100,6 +101,23 @@ def test_init_makes_a_new_world_when_the_launch_changed(monkeypatch) -> None:
         other.close()
     finally:
         first.close()
+
+
+@pytest.mark.parametrize("variable", ["COLLECTIVES_WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
+def test_a_backend_that_makes_a_smaller_world_than_the_launch_is_refused(monkeypatch, variable: str) -> None:
+    """init(backend=...) other than the launch's (threads under mpiexec, MPI under the launcher)
+    gave every process a world of one: each trained alone, its all-reduce returning its own data."""
+    for name in ("COLLECTIVES_WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "2")
+    refusal = re.escape(f"the launch started 2 ranks ({variable}=2), but init(backend='threads') made a world of 1")
+    with pytest.raises(RuntimeError, match=refusal):
+        collectives.init("threads", autotune="off")
+    bootstrap._check_launched_size("grpc", 2, {variable: "2"})
+    if variable != "COLLECTIVES_WORLD_SIZE":  # the launcher's gRPC ranks inherit PMI variables under srun
+        bootstrap._check_launched_size("grpc", 4, {variable: "2"})
+    monkeypatch.setenv(variable, "1")
+    collectives.init("threads", autotune="off").close()
 
 
 def test_unknown_backend_is_refused() -> None:
