@@ -52,7 +52,7 @@ _STOP_GRACE_SECONDS = 5.0
 _FAILURE_GRACE_SECONDS = 1.0
 """After the first rank fails, how long the others may take to exit by themselves before they are
 stopped: long enough for a rank that raised first to exit with its own code."""
-_ERROR_MARKERS = ("Traceback (most recent call last):", "collective failed")
+_ERROR_MARKERS = ("Traceback (most recent call last):", "collective failed", launch_rank.EXIT_NOTICE)
 """A line of a rank's standard error that starts or contains one of these reports its failure."""
 _STALE_ERROR_SECONDS = 30.0
 """An error line that came this long before the first rank failed by itself was about something its
@@ -60,6 +60,9 @@ rank got over (a traceback it caught and logged, training on): it does not make 
 first to fail. Long enough for a failing rank's exit hooks (closing its transport) after its
 traceback."""
 _ERROR_TIMES_KEPT = 256
+_KILLED_SLACK_SECONDS = 0.25
+"""How much earlier than its output was seen to end a rank killed by a signal counts as failed:
+the error lines of the peers that lost it may be read first."""
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -170,6 +173,8 @@ class _Rank:
         """When lines reporting an error came from its standard error (monotonic; the latest ones)."""
         self.exited_at: float | None = None
         """When it was seen to have exited (monotonic)."""
+        self.stderr_ended_at: float | None = None
+        """When its standard error closed: as it exited, unless a child of its kept it open."""
         self.stopped = False
         """Whether the launcher signalled it while it ran (its exit code is then the launcher's doing)."""
         self._readers: list[threading.Thread] = []
@@ -202,6 +207,8 @@ class _Rank:
                     print(f"{self.label}{line}", file=target, flush=True)
                 except BrokenPipeError:
                     _drop_closed_output(target)
+        if target is sys.stderr:
+            self.stderr_ended_at = time.monotonic()
 
     def poll(self) -> int | None:
         """Its exit code, or None while it runs; notes when it was first seen to have exited."""
@@ -351,24 +358,30 @@ def _let_the_others_fail(ranks: list[_Rank], received: list[int]) -> None:
 
 
 def _first_failure(ranks: list[_Rank]) -> _Rank:
-    """The rank that failed first: the one whose error line came first (lines long before the
-    first rank failed by itself do not count: `_STALE_ERROR_SECONDS`), else the first to exit
-    non-zero by itself (ranks the launcher stopped come last)."""
+    """The rank that failed first: the one that first printed an error line or exited non-zero by
+    itself (a rank killed, or one that exited quietly, fails when it ends: the error lines of the
+    ranks that lost it come after). Error lines long before the first rank failed by itself do not
+    count (`_STALE_ERROR_SECONDS`); ranks the launcher stopped without an error line come last."""
     failed = [rank for rank in ranks if rank.process.returncode not in (None, 0)]
     first_exit = min((_exit_time(rank) for rank in failed if rank.ended_by_itself()), default=math.inf)
     since = first_exit - _STALE_ERROR_SECONDS if first_exit < math.inf else -math.inf
 
-    def reported_at(rank: _Rank) -> float:
-        return next((at for at in rank.error_lines_at if at >= since), math.inf)
+    def failed_at(rank: _Rank) -> float:
+        reported = next((at for at in rank.error_lines_at if at >= since), math.inf)
+        if not rank.ended_by_itself():
+            return reported
+        # a killed rank's peers see its sockets close as its output does, and may report that
+        # before this launcher's reader sees its output end
+        killed = (rank.process.returncode or 0) < 0
+        return min(reported, _exit_time(rank) - (_KILLED_SLACK_SECONDS if killed else 0.0))
 
-    reporting = [rank for rank in failed if reported_at(rank) < math.inf]
-    if reporting:
-        return min(reporting, key=reported_at)
-    return min(failed, key=lambda rank: (not rank.ended_by_itself(), _exit_time(rank)))
+    return min(failed, key=lambda rank: (failed_at(rank), not rank.ended_by_itself(), _exit_time(rank)))
 
 
 def _exit_time(rank: _Rank) -> float:
-    return rank.exited_at if rank.exited_at is not None else math.inf
+    """When it exited: when its standard error closed, if earlier than the poll that saw it end."""
+    seen = rank.exited_at if rank.exited_at is not None else math.inf
+    return min(seen, rank.stderr_ended_at) if rank.stderr_ended_at is not None else seen
 
 
 def _ending(rank: _Rank) -> str:

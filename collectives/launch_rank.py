@@ -27,6 +27,10 @@ from collections.abc import MutableMapping, Sequence
 from types import TracebackType
 
 ENV_LAUNCHER_PID = "COLLECTIVES_LAUNCHER_PID"
+EXIT_NOTICE = "collectives.launch_rank: the script exited with"
+"""Starts the line a rank writes to its standard error when its script exits with a failing
+status (`sys.exit(5)`): before the exit hooks run, whose closing transport tells its peers, so
+the launcher sees this rank report first, not the peers that lost it."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -47,6 +51,10 @@ def main(argv: Sequence[str]) -> None:
             sys.argv = list(argv)
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # where `python script` looks first
             runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exiting:
+        if exiting.code not in (None, 0):
+            print(f"{EXIT_NOTICE} {exiting.code!r}", file=sys.stderr, flush=True)
+        raise
     except Exception as error:  # reported as Python reports it, less the frames of this runner
         trace = _without_runner_frames(error.__traceback__)
         sys.excepthook(type(error), error.with_traceback(trace), trace)

@@ -231,6 +231,7 @@ class _Ended:
     def __init__(self, code: int, exited_at: float, errors_at: tuple[float, ...] = (), stopped: bool = False) -> None:
         self.process = types.SimpleNamespace(returncode=code)
         self.exited_at, self.error_lines_at, self.stopped = exited_at, list(errors_at), stopped
+        self.stderr_ended_at = exited_at - 0.04 if not stopped else None  # before the launcher's poll saw it
 
     def ended_by_itself(self) -> bool:
         return not self.stopped
@@ -250,6 +251,38 @@ def test_a_traceback_a_rank_got_over_long_before_does_not_make_it_the_culprit() 
     # no error lines: the first rank to exit non-zero by itself
     quiet = [_Ended(-15, 1.0, stopped=True), _Ended(2, 3.0), _Ended(3, 2.0)]
     assert _first_failure(quiet) is quiet[2]
+    # a rank killed (or exiting quietly) fails as it ends: its peers' error lines about losing it
+    # come after, even when the launcher's poll saw the exit later than those lines came
+    killed, loser = _Ended(-9, 500.05), _Ended(1, 500.5, errors_at=(500.02,))
+    assert _first_failure([loser, killed]) is killed
+    # also when the reader of the killed rank's output saw it end a little after a peer's line
+    raced = _Ended(1, 500.5, errors_at=(killed.stderr_ended_at - 0.01,))
+    assert _first_failure([raced, killed]) is killed
+
+
+def test_a_rank_exiting_quietly_with_an_error_status_is_the_one_named(tmp_path: Path) -> None:
+    """Rank 1 gives up with sys.exit(5), no traceback, mid-training; rank 0 then fails with
+    PeerLostError. The launcher named rank 0 and exited 1: rank 1's exit hooks (closing its
+    transport, which told rank 0) ran before it exited, so rank 0's error line came first."""
+    result = launch(
+        tmp_path,
+        """
+        import sys
+        import numpy as np
+        import collectives
+        comm = collectives.init(timeout=20, autotune="off")
+        for step in range(1000):
+            if comm.rank == 1 and step == 10:
+                print("rank 1: data shard missing, giving up", file=sys.stderr, flush=True)
+                sys.exit(5)
+            comm.allreduce(np.ones(1024, np.float32))
+        """,
+        "-n",
+        "2",
+    )
+    assert result.returncode == 5, result.stderr
+    assert "collectives.launch: [1] exited with code 5" in result.stderr, result.stderr
+    assert "the script exited with 5" in result.stderr
 
 
 def test_killed_rank_is_reported_as_a_signal(tmp_path: Path) -> None:
