@@ -57,9 +57,10 @@ _MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_R
 _default: Communicator | None = None
 _default_made_by: tuple[object, ...] | None = None
 """The `_init_call` that made `_default`: init() called again alike returns `_default`."""
-_default_listens = False
-"""Whether `_default` is a gRPC world's, listening on this rank's address: a second one
-cannot, and would fail naming nothing the caller did (`init`)."""
+_listening: Communicator | None = None
+"""The communicator whose gRPC transport listens on this rank's address, while it is open: the
+default one, or in a job with ps tasks the world's under it (open until the process exits). A
+second world cannot listen there, and would fail naming nothing the caller did (`init`)."""
 
 
 def detect_backend(environ: Mapping[str, str]) -> str | None:
@@ -138,7 +139,7 @@ def init(
         open, init() returns it, as ``hvd.init()`` does nothing the second time: a library and
         the script that uses it may both call it.
     """
-    global _default, _default_made_by, _default_listens
+    global _default, _default_made_by, _listening
     chosen = backend if backend is not None else detect_backend(os.environ)
     if chosen is not None and chosen not in BACKENDS:
         raise ValueError(f"unknown backend {chosen!r}; expected one of {BACKENDS}")
@@ -149,7 +150,13 @@ def init(
     if _default is not None and not _default.closed and call == _default_made_by:
         return _default
     host_transport = _launched_by(os.environ) if chosen == "nccl" else chosen
-    if host_transport == "grpc" and _default_listens and _default is not None and not _default.closed:
+    if host_transport == "grpc" and _listening is not None and not _listening.closed:
+        if _listening is not _default:
+            raise RuntimeError(
+                "collectives.init() was already called in this process, in a TF_CONFIG job with ps tasks, whose "
+                "world (the workers' and the servers') stays open until the process exits, listening on this "
+                "rank's address: a second world cannot. Use the first communicator"
+            )
         raise RuntimeError(
             "collectives.init() was already called in this process, with other arguments or another launch "
             "environment, and its communicator is open; a second gRPC world cannot listen on this rank's "
@@ -167,6 +174,7 @@ def init(
     comm = Communicator(
         transport, timeout=timeout, segment_bytes=segment_bytes, device_segment_bytes=device_segment_bytes
     )
+    world = comm
     servers = _parameter_server_tasks(chosen)
     if servers:
         comm = ps_tasks.start(transport, comm, servers)  # a ps task serves here and exits
@@ -195,7 +203,8 @@ def init(
         comm.topology.num_nodes,
         "; ".join(f"{host}: ranks {list(ranks)}" for host, ranks in zip(_node_hosts(comm), comm.topology.nodes)),
     )
-    _default, _default_made_by, _default_listens = comm, call, host_transport == "grpc"
+    _default, _default_made_by = comm, call
+    _listening = world if host_transport == "grpc" else None
     return comm
 
 

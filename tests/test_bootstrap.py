@@ -10,6 +10,7 @@ import pytest
 
 import collectives
 from collectives import bootstrap
+from collectives.backends.threads import ThreadFabric
 
 _EVALUATOR = '{"cluster": {"chief": ["a:1"], "worker": ["b:2"], "evaluator": ["c:3"]}, "task": {"type": "evaluator"}}'
 
@@ -86,6 +87,26 @@ def test_init_called_again_alike_returns_the_open_communicator_as_hvd_init_does(
     second = collectives.init(timeout=10, autotune="off")
     assert second is not first
     second.close()
+
+
+def test_init_again_in_a_ps_job_says_its_world_stays_open(monkeypatch) -> None:
+    """In a TF_CONFIG job with ps tasks, close() closes the workers' communicator, while the world
+    under it (listening on this rank's address) lasts until exit: init() again failed with a raw
+    "cannot listen ... Address already in use"."""
+    for name in ("COLLECTIVES_BACKEND", "TF_CONFIG", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLLECTIVES_RANK", "0")
+    monkeypatch.setenv("COLLECTIVES_WORLD_SIZE", "1")
+    world = collectives.Communicator(ThreadFabric(["node"]).endpoint(0))
+    workers = collectives.Communicator(ThreadFabric(["node"]).endpoint(0))
+    workers.close()
+    monkeypatch.setattr(bootstrap, "_default", workers)
+    monkeypatch.setattr(bootstrap, "_listening", world)
+    try:
+        with pytest.raises(RuntimeError, match="job with ps tasks, whose world .* stays open until the process exits"):
+            collectives.init(timeout=10, autotune="off")
+    finally:
+        world.close()
 
 
 def test_init_makes_a_new_world_when_the_launch_changed(monkeypatch) -> None:
