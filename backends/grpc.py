@@ -793,7 +793,9 @@ class GrpcTransport(Transport):
                 for peer in sorted(waiting)
             )
             raise PeerLostError(
-                f"rank {self.rank}: peers did not answer within the start-up timeout of {startup_timeout:g} s: {names}"
+                f"rank {self.rank}: peers did not answer within the start-up timeout of {startup_timeout:g} s: "
+                f"{names}; a peer that failed as it started (a missing or different {wire.ENV_SECRET}, a port in "
+                "use) says why in its own output"
             )
 
     def _hello(self, peer: int, timeout: float) -> tuple[Any, bytes]:
@@ -825,9 +827,14 @@ class GrpcTransport(Transport):
             )
         key = wire.session_key(self._secret, self.rank, peer, self.size, nonce, session)
         if not hmac.compare_digest(offered, wire.proof(key, b"server")):
+            why = (
+                f"this rank has no {wire.ENV_SECRET}: give every rank the same one"
+                if not self._secret
+                else f"do the ranks have different {wire.ENV_SECRET}s, or is another job or program on that port?"
+            )
             raise PeerLostError(
                 f"rank {self.rank}: authentication failed: {address} (listed as rank {peer}) could not prove "
-                f"that it holds the shared secret ({wire.ENV_SECRET}); is another job or program on that port?"
+                f"that it holds the shared secret ({wire.ENV_SECRET}); {why}"
             )
         return session, key
 

@@ -991,7 +991,9 @@ def test_startup_timeout_names_the_missing_ranks() -> None:
 
 
 @requires_grpc
-def test_wrong_secret_refuses_to_join() -> None:
+@pytest.mark.parametrize("secrets", [("secret0", "secret1"), ("secret0", None)], ids=["different", "one missing"])
+def test_wrong_secret_refuses_to_join(secrets: tuple[str | None, ...]) -> None:
+    """The rank without a secret (forgotten on one host) says that it has none."""
     from collectives.backends.grpc import GrpcTransport
 
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
@@ -999,7 +1001,7 @@ def test_wrong_secret_refuses_to_join() -> None:
 
     def build(rank: int) -> None:
         try:
-            GrpcTransport(rank, addresses, secret=f"secret{rank}", startup_timeout=5).close()
+            GrpcTransport(rank, addresses, secret=secrets[rank], startup_timeout=5).close()
         except BaseException as error:  # noqa: BLE001
             errors.append(error)
 
@@ -1013,6 +1015,9 @@ def test_wrong_secret_refuses_to_join() -> None:
     assert len(errors) == 2 and all(isinstance(e, PeerLostError) for e in errors), errors
     failed = [str(e) for e in errors if "authentication failed" in str(e)]
     assert failed and all(any(address in text for address in addresses) for text in failed), errors
+    if secrets[1] is None:  # rank 1 checks rank 0's answer (almost always), unless it finds rank 0 gone
+        [own] = [str(e) for e in errors if str(e).startswith("rank 1: ")]
+        assert "this rank has no COLLECTIVES_SECRET: give every rank" in own or "start-up timeout" in own, own
 
 
 @requires_grpc
