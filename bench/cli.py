@@ -362,7 +362,7 @@ def checked_device(args: argparse.Namespace) -> str:
         raise UsageError("--device cuda measures real buffers; the simulated backend has none")
     reason = gpu_unavailable_reason()
     if reason is not None:
-        raise UsageError(f"--device cuda: {reason}")
+        raise UsageError(f"{'--backend nccl' if args.backend == 'nccl' else '--device cuda'}: {reason}")
     return device
 
 

@@ -472,6 +472,14 @@ def test_nccl_sweeps_measure_device_buffers_with_nccls_own_collectives(monkeypat
         assert spec.algorithms == ("native",), collective
 
 
+def test_no_gpu_names_the_option_the_user_gave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--backend nccl` without a GPU blamed `--device cuda`, an option the user had not passed."""
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: "CuPy finds no CUDA GPU")
+    for options, named in ((["--backend", "nccl"], "--backend nccl: "), (["--device", "cuda"], "--device cuda: ")):
+        with pytest.raises(cli.UsageError, match=f"^{named}CuPy finds no CUDA GPU"):
+            cli.sweep_spec(cli.build_parser().parse_args(options), 2)
+
+
 def test_mpi_all_gathers_of_host_buffers_are_labelled_native() -> None:
     """Over MPI the Communicator hands host all-gathers to MPI_Iallgather; device ones (staged) and
     the other collectives keep the library's algorithm."""
