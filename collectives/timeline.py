@@ -210,10 +210,20 @@ def rank_path(path: str, rank: int, size: int) -> str:
 
 
 def load_trace(path: str | os.PathLike) -> list[dict]:
-    """The events of a trace file written by `Timeline` (closed or not) or by `merge`."""
+    """The events of a trace file written by `Timeline` (closed or not) or by `merge`.
+
+    Raises:
+        ValueError: the file is not such a trace (naming it).
+    """
     with open(path) as trace:
         text = trace.read().rstrip().rstrip(",")
-    return json.loads(text if text.endswith("]") else text + "]")
+    try:
+        events = json.loads(text if text.endswith("]") else text + "]")
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{os.fspath(path)} is not a trace file of collectives.timeline: {error}") from None
+    if not isinstance(events, list) or not all(isinstance(e, dict) and "ph" in e and "pid" in e for e in events):
+        raise ValueError(f"{os.fspath(path)} is not a trace file of collectives.timeline (a JSON array of events)")
+    return events
 
 
 def merge(paths: Sequence[str | os.PathLike], output: str | os.PathLike) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -155,6 +156,15 @@ def test_merge_refuses_two_files_of_one_rank(tmp_path: Path) -> None:
     path = _write_rank_trace(tmp_path, 0, 1.0)
     with pytest.raises(ValueError, match="both hold events of rank 0"):
         merge([path, path], tmp_path / "all.json")
+
+
+@pytest.mark.parametrize("content", ['{"a": 1}', "not json", '[{"no": "phase"}]', "[1, 2]"])
+def test_merge_names_a_file_that_is_not_a_trace(tmp_path: Path, content: str) -> None:
+    """It said only "Extra data: line 1 column 8 (char 7)", or failed with a KeyError."""
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))} is not a trace file of collectives.timeline"):
+        merge([_write_rank_trace(tmp_path, 0, 1.0), path], tmp_path / "all.json")
 
 
 def test_launched_ranks_write_aligned_traces_that_merge(tmp_path: Path) -> None:
