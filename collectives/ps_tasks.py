@@ -51,7 +51,9 @@ Bounds and failures.
 * A worker whose server dies gets, at its next wait on the servers, a `PeerLostError` that names
   the ps task and its rank, within the collective's timeout.
 * A worker that ends with an uncaught exception sends no ``end``: its servers see its stream end
-  and stop with an error instead of reporting success.
+  and stop with an error instead of reporting success. `sys.exit(n)` is not an exception to
+  Python's exit hooks (nothing tells them the status): a worker that exits so has finished, and
+  with every worker finished the servers report success; raise instead to make them fail.
 """
 
 from __future__ import annotations
