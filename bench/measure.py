@@ -96,7 +96,8 @@ class Measurement:
     """Elements differing from the exact expected result, summed over ranks and iterations."""
     collective: str = "allreduce"
     placement: str = OUT_OF_PLACE
-    root: int = 0
+    root: int = -1
+    """The broadcast's root; -1 for collectives without one (nccl-tests' root column)."""
 
     @property
     def algbw(self) -> float:
@@ -259,7 +260,7 @@ def measure(
                     wrong=total_wrong,
                     collective=spec.collective,
                     placement=placement,
-                    root=spec.root,
+                    root=spec.root if spec.collective == "broadcast" else -1,
                 )
             )
     return rows

@@ -51,9 +51,8 @@ def format_table(result: SweepResult) -> str:
     ]
     for nbytes, algorithm in keys:
         first = cells.get((nbytes, algorithm, OUT_OF_PLACE)) or cells[nbytes, algorithm, IN_PLACE]
-        root = str(first.root) if first.collective == "broadcast" else "-1"
         line = (
-            f"{first.nbytes:>11} {first.count:>11} {first.dtype:>8} {first.op:>5} {root:>4} "
+            f"{first.nbytes:>11} {first.count:>11} {first.dtype:>8} {first.op:>5} {first.root:>4} "
             f"{_algorithm_label(first, result.choices):>18}"
         )
         for placement in (OUT_OF_PLACE, IN_PLACE):

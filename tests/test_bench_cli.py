@@ -228,6 +228,8 @@ def test_every_collective_and_op_runs_with_nothing_wrong(tmp_path) -> None:
         rows = read_csv(str(path))
         assert {r.placement for r in rows} == {OUT_OF_PLACE, IN_PLACE}
         assert all(r.wrong == 0 for r in rows)
+        # nccl-tests' root column, as the table prints it: the broadcast's root, else -1 (the CSV said 0)
+        assert {r.root for r in rows} == ({1} if "broadcast" in argv else {-1}), argv
 
 
 def test_wrong_results_are_counted_per_algorithm_and_placement(monkeypatch, tmp_path, capsys) -> None:
