@@ -1126,11 +1126,7 @@ class GrpcTransport(Transport):
                     and src not in self._lost
                     and self._failure(tag) is None
                 ):
-                    self._held_back += 1
-                    try:
-                        self._space.wait(1.0)
-                    finally:
-                        self._held_back -= 1
+                    self._hold_back()
             if not awaited:
                 raise wire.FrameError(
                     f"rank {src} sent a message of {total} bytes (tag {tag}) that no receive awaits, more than "
@@ -1152,11 +1148,16 @@ class GrpcTransport(Transport):
                 and not self._closed
                 and src not in self._lost
             ):
-                self._held_back += 1
-                try:
-                    self._space.wait(1.0)
-                finally:
-                    self._held_back -= 1
+                self._hold_back()
+
+    def _hold_back(self) -> None:
+        """Stop this reader for up to a second, counted as held back, so that a posted receive wakes
+        it (`_space`; lock held). Its caller looks again at why it waits."""
+        self._held_back += 1
+        try:
+            self._space.wait(1.0)
+        finally:
+            self._held_back -= 1
 
     def _begin(self, src: int, tag: int, header: bytes, total: int, data: memoryview) -> None:
         """First frame of a multi-frame message."""

@@ -664,8 +664,9 @@ class MPITransport(Transport):
         self._abort_since: int | None = None
         """Requests on tags from here on fail once `_abort` is set (see `abort_reaches`)."""
         self._leaving_since: int | None = None
-        self._leaving_running = False
         """The first tag of the collectives this rank will never start, once `leaving` said so."""
+        self._leaving_running = False
+        """Whether `leaving` said the collective at that tag runs here and will not finish."""
         self._departed: set[int] = set()
         """The peers whose closing note (`leaving`) has arrived."""
         self._closed = False
