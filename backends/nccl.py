@@ -76,6 +76,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import nccl_extrema
 from .base import (
     Buffer,
     PostedRequest,
@@ -262,6 +263,7 @@ class _CupyEngine:
     """`Engine` over one `cupy.cuda.nccl.NcclCommunicator`, on a non-blocking stream of its own."""
 
     def __init__(self, library: CupyNccl, communicator: Any, device_id: int) -> None:
+        self._cupy = library._cupy
         self._cuda = library._cupy.cuda
         self._nccl = library._nccl
         self._types = library._types
@@ -271,7 +273,9 @@ class _CupyEngine:
             self._stream = self._cuda.Stream(non_blocking=True)
 
     def _issue(self, after: Sequence[Event], call: Callable[[int], None]) -> Event:
-        with self._cuda.Device(self._device_id):
+        """Run `call(stream pointer)` on this engine's stream (the current one meanwhile, for any
+        kernel it launches) once every event of `after` has happened; the event of its end."""
+        with self._cuda.Device(self._device_id), self._stream:
             for event in after:
                 if event is not None:
                     self._stream.wait_event(event)
@@ -298,11 +302,24 @@ class _CupyEngine:
         return self._reduction("reduceScatter", src, dst, dst.size, op, after)
 
     def _reduction(self, method: str, src: Buffer, dst: Buffer, count: int, op: str, after: Sequence[Event]) -> Event:
-        """`allReduce` or `reduceScatter` (`count`: items per rank's output) in `src`'s type."""
+        """`allReduce` or `reduceScatter` (`count`: items per rank's output) in `src`'s type; the
+        max and min of floats on their order keys (`nccl_extrema`), so that a NaN propagates."""
         call = getattr(self._communicator, method)
-        nccl_type = self._types[np.dtype(src.dtype)]
         nccl_op = getattr(self._nccl, CupyNccl._OPS[op])
-        return self._issue(after, lambda stream: call(_address(src), _address(dst), count, nccl_type, nccl_op, stream))
+        if not nccl_extrema.needs_keys(op, src.dtype):
+            nccl_type = self._types[np.dtype(src.dtype)]
+            return self._issue(
+                after, lambda stream: call(_address(src), _address(dst), count, nccl_type, nccl_op, stream)
+            )
+        key_type = self._types[nccl_extrema.key_dtype(src.dtype)]
+
+        def on_keys(stream: int) -> None:
+            keys = nccl_extrema.encode(src, op)
+            out = keys if keys.size == count else self._cupy.empty(count, keys.dtype)
+            call(_address(keys), _address(out), count, key_type, nccl_op, stream)
+            nccl_extrema.decode(out, dst)
+
+        return self._issue(after, on_keys)
 
     def allgather(self, src: Buffer, dst: Buffer, after: Sequence[Event]) -> Event:
         communicator, uint8 = self._communicator, self._nccl.NCCL_UINT8

@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 import collectives
 from collectives import Communicator
 from collectives.algorithms.parameter_server import ParameterServers, parameter_server, shard_servers
+from collectives.core.layout import even_bounds
 
 COUNTS = (0, 1, 5, 100_003)
 DTYPES = ("float32", "float64", "float16", "int32")
@@ -84,30 +86,39 @@ def allreduce_every_algorithm(comm: Communicator) -> None:
                     assert_identical_everywhere(comm, result, what)
 
 
-def extrema_with_nan_and_signed_zeros(comm: Communicator) -> None:
+def extrema_with_nan_and_signed_zeros(
+    comm: Communicator, place: Callable[[np.ndarray], Any] = np.asarray, fetch: Callable[[Any], np.ndarray] = np.asarray
+) -> None:
     """The max and min of floats where some ranks hold NaN and others +0.0 or -0.0, by every
-    algorithm: NaN wherever a rank has one (as numpy's maximum and minimum say), the extremum
-    elsewhere, and the same bits on every rank. (MPI's own MAX and MIN left ranks with different
-    values for such inputs.)"""
+    algorithm and by reduce_scatter: NaN wherever a rank has one (as numpy's maximum and minimum
+    say), the extremum elsewhere, and the same bits on every rank. (MPI's own MAX and MIN left
+    ranks with different values for such inputs; NCCL's drop the NaN.) `place` puts an input where
+    the caller's buffers live, `fetch` brings a result back to the host."""
     pattern = np.array([np.nan, 0.0, -0.0, 1.0, np.nan, -0.0, 2.0, 0.0])
-    for algorithm in [*comm.algorithms, "auto"]:
-        for dtype in ("float32", "float64", "float16"):
-            if algorithm == collectives.NATIVE and np.dtype(dtype) not in comm.native_dtypes:
-                continue
-            for count in (8, 100_000):
-                inputs = []
-                for rank in range(comm.size):
-                    values = np.roll(np.resize(pattern, count), rank) * (-1.0) ** rank
-                    inputs.append(values.astype(dtype))
-                stacked = np.stack(inputs)
-                expected_nan = np.isnan(stacked).any(axis=0)
-                for op, reduce in (("max", np.fmax), ("min", np.fmin)):
-                    what = f"allreduce {algorithm} count={count} {dtype} {op}"
-                    result = comm.allreduce(inputs[comm.rank], op=op, algorithm=algorithm)
-                    np.testing.assert_array_equal(np.isnan(result), expected_nan, err_msg=f"{what}: NaN where")
-                    extremum = reduce.reduce(stacked, axis=0)
-                    np.testing.assert_array_equal(result[~expected_nan], extremum[~expected_nan], err_msg=what)
-                    assert_identical_everywhere(comm, result, what)
+    for dtype in ("float32", "float64", "float16"):
+        for count in (8, 100_000):
+            inputs = []
+            for rank in range(comm.size):
+                values = np.roll(np.resize(pattern, count), rank) * (-1.0) ** rank
+                inputs.append(values.astype(dtype))
+            stacked = np.stack(inputs)
+            expected_nan = np.isnan(stacked).any(axis=0)
+            block = slice(*even_bounds(count, comm.size)[comm.rank : comm.rank + 2])
+            for op, reduce in (("max", np.fmax), ("min", np.fmin)):
+                extremum = reduce.reduce(stacked, axis=0)
+                for algorithm in [*comm.algorithms, "auto", "reduce_scatter"]:
+                    if algorithm == collectives.NATIVE and np.dtype(dtype) not in comm.native_dtypes:
+                        continue
+                    what = f"{algorithm} count={count} {dtype} {op}"
+                    if algorithm == "reduce_scatter":
+                        result = fetch(comm.reduce_scatter(place(inputs[comm.rank]), op=op))
+                        nan, expected = expected_nan[block], extremum[block]
+                    else:
+                        result = fetch(comm.allreduce(place(inputs[comm.rank]), op=op, algorithm=algorithm))
+                        nan, expected = expected_nan, extremum
+                        assert_identical_everywhere(comm, result, what)
+                    np.testing.assert_array_equal(np.isnan(result), nan, err_msg=f"{what}: NaN where")
+                    np.testing.assert_array_equal(result[~nan], expected[~nan], err_msg=what)
 
 
 def parameter_server_variants(comm: Communicator) -> None:

@@ -18,7 +18,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bodies import COUNTS, DTYPES, OPS, assert_close, assert_identical_everywhere, rank_input, reference  # noqa: E402
+from bodies import (  # noqa: E402
+    COUNTS,
+    DTYPES,
+    OPS,
+    assert_close,
+    assert_identical_everywhere,
+    extrema_with_nan_and_signed_zeros,
+    rank_input,
+    reference,
+)
 
 import collectives  # noqa: E402
 from collectives import Communicator  # noqa: E402
@@ -111,10 +120,18 @@ def device_stream_order(comm: Communicator) -> None:
         )
 
 
+def device_extrema_with_nan_and_signed_zeros(comm: Communicator) -> None:
+    """`bodies.extrema_with_nan_and_signed_zeros` on CuPy buffers (over NCCL, its own float max
+    and min would drop the NaN)."""
+    cupy = _cupy()
+    extrema_with_nan_and_signed_zeros(comm, place=cupy.asarray, fetch=cupy.asnumpy)
+
+
 DEVICE_BODIES: dict[str, Callable[[Communicator], None]] = {
     "device_allreduce_every_algorithm": device_allreduce_every_algorithm,
     "device_other_collectives": device_other_collectives,
     "device_stream_order": device_stream_order,
+    "device_extrema_with_nan_and_signed_zeros": device_extrema_with_nan_and_signed_zeros,
 }
 
 

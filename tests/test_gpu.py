@@ -388,6 +388,41 @@ def test_nccl_world_of_one_runs_the_native_collectives(cupy: Any, dtype: str, op
         transport.close()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_nccl_float_extrema_keep_every_value_and_make_nan_numpys(cupy: Any, dtype: str, op: str) -> None:
+    """NCCL's float max and min run on order keys (`nccl_extrema`). In a world of one every value
+    comes back bit for bit (for float16 every one of the 65536 patterns; else specials and random
+    patterns, NaNs with payloads among them) and every NaN as numpy's `np.nan`: by ncclAllReduce
+    apart and in place, and by ncclReduceScatter."""
+    from collectives.backends.nccl import NcclTransport
+
+    if dtype == "float16":
+        values = _ALL_HALVES.view(np.float16)
+    else:
+        bits = np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+        info = np.finfo(dtype)
+        specials = [np.nan, -np.nan, 0.0, -0.0, np.inf, -np.inf, 1.0, -1.0, info.max, -info.max, info.tiny]
+        noise = np.random.default_rng(7).integers(0, np.iinfo(bits).max, 100_000, dtype=bits, endpoint=True)
+        values = np.concatenate([np.array(specials, dtype), noise.view(dtype), [info.smallest_subnormal]])
+    expected = np.where(np.isnan(values), np.array(np.nan, dtype), values).view(f"u{values.itemsize}")
+    transport = NcclTransport(ThreadFabric(["a"]).endpoint(0), device_id=0)
+    try:
+        x = cupy.asarray(values)
+        out = cupy.empty_like(x)
+        for what, call in [
+            ("ncclAllReduce", lambda: transport.native_allreduce(x, out, op, timeout=60.0)),
+            ("ncclReduceScatter", lambda: transport.native_reduce_scatter(x, out, op, timeout=60.0)),
+        ]:
+            out[...] = 0
+            call()
+            np.testing.assert_array_equal(cupy.asnumpy(out).view(expected.dtype), expected, err_msg=what)
+        transport.native_allreduce(x, x, op, timeout=60.0)
+        np.testing.assert_array_equal(cupy.asnumpy(x).view(expected.dtype), expected, err_msg="in place")
+    finally:
+        transport.close()
+
+
 @pytest.mark.parametrize(("ranks", "layout"), [(2, []), (3, ["--ranks-per-node", "2"])])
 def test_nccl_ranks_run_every_device_body(ranks: int, layout: list[str]) -> None:
     """Processes (on one GPU where there is only one) over NCCL: every algorithm, native
