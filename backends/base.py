@@ -371,6 +371,16 @@ class Transport(abc.ABC):
         gRPC need nothing for that: their peers see a closed endpoint or an ended stream. A backend
         whose peers would see nothing (MPI) tells them as it closes."""
 
+    def peer_notice(self, tag: int) -> BaseException | None:
+        """The error of a peer's abort or closing notice (`leaving`) that reaches the collective at
+        `tag`, if one has come (looked for now); else None.
+
+        For a wait that this transport does not see: NCCL's own collective, under MPI as its
+        control transport, would otherwise wait out its deadline for a peer that told MPI it left.
+        Transports whose peers' failures reach such waits another way (an ended stream) keep this
+        default."""
+        return None
+
 
 def check_buffer(buf: Buffer) -> None:
     """Reject buffers the contract does not allow, with a message saying what was expected."""

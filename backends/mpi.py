@@ -139,6 +139,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import os
 import sys
 import time
@@ -222,7 +223,9 @@ _LOST: str | None = None
 """Why this process believes a peer may be gone: set by an MPI error, by `abort` with a timeout,
 or by an abort notice whose sender believed so."""
 _EXIT_GUARD_INSTALLED = False
-_OPEN: weakref.WeakSet[MPITransport] = weakref.WeakSet()
+_OPEN: weakref.WeakValueDictionary[int, MPITransport] = weakref.WeakValueDictionary()
+"""Transports not yet closed, by the order they were made in, which `_at_exit` closes them in."""
+_MADE = itertools.count()
 _LEAKED: list[Any] = []
 """MPI operations that could not be completed before their transport closed, and communicators of
 failed transports, kept (with their buffers) for the life of the process so that MPI never touches
@@ -361,9 +364,11 @@ def _every_rank_at_exit(comm: Any, seconds: float) -> bool:
 
 def _at_exit() -> None:
     """End the job if a peer was lost; otherwise close the transports nobody closed, so that
-    MPI_Finalize finds no receive still posted."""
+    MPI_Finalize finds no receive still posted. Oldest first: a world's transport sends its
+    closing note (`leaving`) before closing a duplicate fails what still waits on that (NCCL's
+    envelopes, for one), which would tell the peers of a failure instead of a departure."""
     _abort_job_at_exit()
-    for transport in list(_OPEN):
+    for _, transport in sorted(_OPEN.items()):
         try:
             transport.close()
         except Exception:  # noqa: BLE001 - exiting anyway
@@ -679,7 +684,8 @@ class MPITransport(Transport):
         self._presence_buf = bytearray(_CONTROL_BYTES)
         self._presence_status = MPI.Status()
         self._presence = self._comm.Irecv([self._presence_buf, MPI.BYTE], MPI.ANY_SOURCE, self._presence_tag)
-        _OPEN.add(self)
+        self._made = next(_MADE)
+        _OPEN[self._made] = self
         self._datatypes: dict[np.dtype, Any] = {
             np.dtype(np.float32): MPI.FLOAT,
             np.dtype(np.float64): MPI.DOUBLE,
@@ -938,6 +944,13 @@ class MPITransport(Transport):
             self._abort_since = earlier_abort(self._abort_since, since_tag)
         self._fail_pending(notice)
 
+    def peer_notice(self, tag: int) -> BaseException | None:
+        self._check_control()
+        notice = self._abort
+        if notice is None or notice[0] == self.rank or not abort_reaches(tag, self._abort_since):
+            return None
+        return error_from_abort(*notice, rank=self.rank)
+
     def leaving(self, next_tag: int, *, running: bool = False) -> None:
         """Remember where this rank stops, and whether inside a collective, for the closing note
         `close` sends every peer."""
@@ -1118,7 +1131,7 @@ class MPITransport(Transport):
         if self._closed:
             return
         self._closed = True
-        _OPEN.discard(self)
+        _OPEN.pop(self._made, None)
         if _MPI.Is_finalized():
             return
         departing = self._abort is None or self._abort[1] == ABORT_CLOSED

@@ -956,7 +956,9 @@ class NcclTransport(Transport):
                 gpu.copy(dst, on_device[1], ())
             return
         self._check_device(src, dst)
-        self._run_native("ncclAllReduce", lambda world: world.allreduce(src, dst, op, (runtime().ready(src),)), timeout)
+        self._run_native(
+            "ncclAllReduce", lambda world: world.allreduce(src, dst, op, (runtime().ready(src),)), timeout, tag
+        )
 
     native_collectives = frozenset({"reduce_scatter", "allgather", "broadcast"})
 
@@ -969,21 +971,27 @@ class NcclTransport(Transport):
             "ncclReduceScatter",
             lambda world: world.reduce_scatter(src, dst, op, (runtime().ready(src),)),
             timeout,
+            tag,
         )
 
     def native_allgather(self, src: Buffer, dst: Buffer, timeout: float | None = None, tag: int = 0) -> None:
         """`ncclAllGather` of device buffers (as bytes: any dtype): `dst` gets `size` blocks of `src`."""
         self._check_device(src, dst)
-        self._run_native("ncclAllGather", lambda world: world.allgather(src, dst, (runtime().ready(src),)), timeout)
+        self._run_native(
+            "ncclAllGather", lambda world: world.allgather(src, dst, (runtime().ready(src),)), timeout, tag
+        )
 
     def native_broadcast(self, buf: Buffer, root: int, timeout: float | None = None, tag: int = 0) -> None:
         """`ncclBroadcast` of a device buffer in place (as bytes: any dtype), from rank `root`."""
         self._check_device(buf)
-        self._run_native("ncclBroadcast", lambda world: world.broadcast(buf, root, (runtime().ready(buf),)), timeout)
+        self._run_native(
+            "ncclBroadcast", lambda world: world.broadcast(buf, root, (runtime().ready(buf),)), timeout, tag
+        )
 
-    def _run_native(self, what: str, issue: Callable[[Engine], Event], timeout: float | None) -> None:
-        """Issue one operation on the world communicator and wait for it until the deadline, or
-        until this rank aborts or a peer is lost (then it never completes).
+    def _run_native(self, what: str, issue: Callable[[Engine], Event], timeout: float | None, tag: int) -> None:
+        """Issue one operation (of the collective at `tag`) on the world communicator and wait for
+        it until the deadline, or until this rank aborts or a peer is lost or tells the control
+        transport that it left (then it never completes).
 
         Raises:
             TimeoutError: not complete within `timeout`.
@@ -992,7 +1000,7 @@ class NcclTransport(Transport):
             raise self._failure
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         world = self._world_engine(deadline)
-        _WorldCall(self, world, what, issue(world)).wait(max(deadline - time.monotonic(), 0.0))
+        _WorldCall(self, world, what, issue(world), tag=tag).wait(max(deadline - time.monotonic(), 0.0))
 
     def measurement_buffer(self, count: int, dtype: Any) -> Buffer:
         """Device memory on this rank's GPU: what this transport's users send, so what probes and
@@ -1055,9 +1063,11 @@ class NcclTransport(Transport):
 class _WorldCall:
     """One operation on the world communicator, as a `Request`: done once its event has completed
     (then its result, if any, is copied to the host), failed once this rank aborts or any peer is
-    lost (a collective never completes without every rank). An NCCL error raises from `test`."""
+    lost (a collective never completes without every rank), or, for a collective's own operation
+    (`tag`), once the control transport has a peer's notice that reaches it. An NCCL error raises
+    from `test`."""
 
-    __slots__ = ("_transport", "_world", "_what", "_event", "_copy_back", "_error", "_settled")
+    __slots__ = ("_transport", "_world", "_what", "_event", "_copy_back", "_tag", "_error", "_settled")
 
     def __init__(
         self,
@@ -1066,6 +1076,8 @@ class _WorldCall:
         what: str,
         event: Event,
         copy_back: tuple[np.ndarray, Buffer] | None = None,
+        *,
+        tag: int | None = None,
     ) -> None:
         self._transport = transport
         self._world = world
@@ -1073,6 +1085,7 @@ class _WorldCall:
         self._event = event
         self._copy_back = copy_back
         """(host array, device buffer): copied once the operation has finished."""
+        self._tag = tag
         self._error: BaseException | None = None
         self._settled = False
 
@@ -1087,6 +1100,8 @@ class _WorldCall:
             return True
         transport = self._transport
         failure = transport._failure or next(iter(transport._peer_failures.values()), None)
+        if failure is None and self._tag is not None:
+            failure = transport.control.peer_notice(self._tag)
         if failure is not None:
             self._error = failure
             self._settled = True

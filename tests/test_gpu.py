@@ -13,8 +13,9 @@ What is checked:
 * staging through pinned memory on a host-only transport in-process, and over MPI and gRPC jobs
   started by `mpiexec` and the launcher;
 * `python -m bench --device cuda`;
-* NCCL: a world of one, two processes sharing the GPU under the launcher and under `mpiexec` (MPI
-  as the control transport), a peer killed mid-stream, and `python -m bench --backend nccl`.
+* NCCL: a world of one (floats' max and min on order keys too), two processes sharing the GPU
+  under the launcher and under `mpiexec` (MPI as the control transport), a peer killed
+  mid-stream, a peer whose program ends mid-collective, and `python -m bench --backend nccl`.
 """
 
 from __future__ import annotations
@@ -486,6 +487,37 @@ def test_nccl_survivor_of_a_killed_peer_raises_within_its_timeout(tmp_path: Path
     assert name in ("PeerLostError", "CollectiveTimeoutError"), report
     assert float(seconds) < _KILL_TIMEOUT + 5, report
     print(f"survivor ({algorithm}): {report}")  # the time to error, for the record
+
+
+_EXIT_SCRIPT = str(Path(__file__).resolve().parent / "gpu_scripts" / "nccl_exit_mid_collective.py")
+
+
+@pytest.mark.parametrize("control", ["grpc", "mpi"])
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_nccl_peer_of_a_rank_exiting_mid_collective_fails_at_once(control: str, algorithm: str) -> None:
+    """Rank 0's program ends while its device all-reduce runs: rank 1, a second later in the same
+    collective, fails with `PeerLostError` naming rank 0 within half its 30 s timeout, under the
+    launcher (gRPC control) and under `mpiexec` (MPI control: its closing note reaches a wait in
+    ncclAllReduce too)."""
+    reason = _nccl_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    if control == "grpc":
+        job = launch_job(["--backend", "nccl", "-n", "2", _EXIT_SCRIPT, algorithm], timeout=120, env=_MULTI_RANK_GPU)
+        output = job.stdout + job.stderr
+        assert job.returncode == 0, output
+    else:
+        from test_mpi import MPIEXEC, mpirun
+
+        if MPIEXEC is None:
+            pytest.skip("no mpiexec (pip install -e '.[mpi]')")
+        env = {"COLLECTIVES_BACKEND": "nccl", **_MULTI_RANK_GPU}
+        mpi_job = mpirun(2, _EXIT_SCRIPT, algorithm, env=env, timeout=120)
+        output = mpi_job.output
+        assert mpi_job.returncode == 0, output
+    for rank in (0, 1):
+        assert f"rank {rank}: exit mid-collective ok" in output, output
+    print(output.strip().splitlines()[-1])  # rank 1's time to the error, for the record
 
 
 def test_bench_over_nccl(capsys: pytest.CaptureFixture) -> None:

@@ -393,6 +393,37 @@ def test_native_is_ncclallreduce_on_a_world_communicator(fake_nccl: FakeNccl, op
 
 
 @pytest.mark.usefixtures("gpu")
+def test_a_native_collective_fails_on_a_peers_notice_to_the_control_transport(
+    fake_nccl: FakeNccl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under MPI as the control transport, a peer whose program ended mid-collective tells MPI,
+    not NCCL. A rank waiting for it in ncclAllReduce fails with that notice's error at once when
+    the notice reaches the collective's tag, and waits on (here until its timeout) when it reaches
+    only later collectives."""
+    ends = transports(2, fake_nccl)
+    try:
+        both = [threading.Thread(target=end.native_allreduce, args=(_ones(), _ones(), "sum")) for end in ends]
+        for thread in both:
+            thread.start()
+        for thread in both:
+            thread.join(WAIT)  # the world communicator exists now
+        left = PeerLostError("rank 1: peer rank 0 exited in the middle of a collective")
+        monkeypatch.setattr(ends[1].control, "peer_notice", lambda tag: left if tag >= 5 else None)
+        with pytest.raises(TimeoutError):
+            ends[1].native_allreduce(_ones(), _ones(), "sum", timeout=0.3, tag=4)
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match="exited in the middle"):
+            ends[1].native_allreduce(_ones(), _ones(), "sum", timeout=WAIT, tag=5)
+        assert time.monotonic() - start < WAIT / 2
+    finally:
+        close_all(ends)
+
+
+def _ones() -> FakeDeviceArray:
+    return on_device(np.ones(4, np.float32))
+
+
+@pytest.mark.usefixtures("gpu")
 def test_a_duplicate_has_communicators_of_its_own(fake_nccl: FakeNccl) -> None:
     def body(comm: Communicator) -> Any:
         twin = comm.dup()

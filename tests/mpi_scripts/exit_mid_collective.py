@@ -7,42 +7,46 @@ Rank 0 starts an all-reduce that rank 1 joins only a second later, and its progr
 waiting for the `Work`). Rank 1's all-reduce must fail with `PeerLostError` naming rank 0 and
 saying it exited in the middle of a collective, long before the 30 s timeout (before, it waited
 all of it). Rank 1 prints "rank 1: exit mid-collective ok"; rank 0 prints "rank 0: exit
-mid-collective ok" as it leaves.
+mid-collective ok" as it leaves. `gpu_scripts/nccl_exit_mid_collective.py` runs the same over NCCL.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 import collectives
-from collectives import PeerLostError
+from collectives import Communicator, PeerLostError
 
 TIMEOUT = 30.0
 
 
-def main() -> int:
-    comm = collectives.init(backend="mpi", timeout=TIMEOUT)
-    x = np.ones(1 << 16, np.float32)
-    comm.allreduce(x)
+def leave_or_be_left(comm: Communicator, x: Any, algorithm: str, explanation: str) -> int:
+    """Rank 0 leaves mid-collective; rank 1 checks that its next all-reduce of `x` fails promptly
+    with a `PeerLostError` that says `explanation`. `comm` was made with `TIMEOUT`."""
+    comm.allreduce(x, algorithm=algorithm)
     if comm.rank == 0:
-        comm.allreduce_async(x)  # never waited for
+        comm.allreduce_async(x, algorithm=algorithm)  # never waited for
         print("rank 0: exit mid-collective ok", flush=True)
         return 0
     time.sleep(1.0)
     started = time.monotonic()
     try:
-        comm.allreduce(x)
+        comm.allreduce(x, algorithm=algorithm)
     except PeerLostError as error:
-        assert "peer rank 0 exited in the middle of a collective" in str(error), error
+        assert explanation in str(error), error
     else:
         raise AssertionError("an all-reduce rank 0 abandoned completed")
-    assert time.monotonic() - started < TIMEOUT / 2, "rank 0's exit was not heard of promptly"
-    print("rank 1: exit mid-collective ok", flush=True)
+    seconds = time.monotonic() - started
+    assert seconds < TIMEOUT / 2, f"rank 0's exit was heard of only after {seconds:.1f} s"
+    print(f"rank 1: exit mid-collective ok ({seconds:.2f} s)", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    communicator = collectives.init(backend="mpi", timeout=TIMEOUT)
+    explained = "peer rank 0 exited in the middle of a collective"
+    sys.exit(leave_or_be_left(communicator, np.ones(1 << 16, np.float32), "auto", explained))
