@@ -55,6 +55,37 @@ def tape_recording() -> bool:
     return True if probe is None else bool(probe())
 
 
+def host_call(function: Any, inputs: Any, output_types: Any, name: str) -> Any:
+    """`tf.numpy_function(function, inputs, output_types, stateful=True, name=name)`: how every
+    collective runs inside a `tf.function`, as one op TensorFlow never prunes or reorders.
+
+    XLA cannot compile such an op, and TensorFlow's own error for it ("No registered 'PyFunc'
+    OpKernel for XLA_GPU_JIT ...") names neither this library nor the fix. So a function traced for
+    XLA (`jit_compile=True`, which Keras's default `jit_compile="auto"` picks on a machine with a
+    GPU) is refused here, while it is traced, saying what to change.
+
+    Raises:
+        ValueError: traced for XLA."""
+    tf = tensorflow()
+    if _traced_for_xla(tf):
+        raise ValueError(
+            f"{name}: the collectives run as tf.numpy_function, which XLA cannot compile; compile "
+            "without XLA: model.compile(..., jit_compile=False) (Keras's default, 'auto', uses XLA on "
+            "a machine with a GPU) or tf.function(..., jit_compile=False)"
+        )
+    return tf.numpy_function(function, inputs, output_types, stateful=True, name=name)
+
+
+def _traced_for_xla(tf: ModuleType) -> bool:
+    """Whether the graph being built is compiled by XLA. TensorFlow has no public call for this;
+    its own code asks `control_flow_util` (False where this version lacks it)."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
 def communicator(comm):
     """`comm`, or the communicator made by the last `collectives.init()` when it is None."""
     if comm is not None:

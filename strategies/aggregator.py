@@ -34,7 +34,7 @@ import numpy as np
 from collectives import Communicator, MismatchError
 from collectives.timeline import Timeline
 
-from ._tensorflow import as_array, as_operand, as_tensor, communicator, on_gpu, tensorflow
+from ._tensorflow import as_array, as_operand, as_tensor, communicator, host_call, on_gpu, tensorflow
 from .buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from .compression import Compression, Compressor
 from .exchange import BucketExchange
@@ -192,20 +192,17 @@ class GradientAggregator:
         for index, bucket in enumerate(exchange.buckets):
             inputs = [gradients[slot.variable] for slot in bucket.slots]
             hand_off = functools.partial(self._hand_off, exchange, index, entries)
-            tokens.append(
-                tf.numpy_function(hand_off, inputs, tf.int64, stateful=True, name=f"collectives_hand_off_{index}")
-            )
+            tokens.append(host_call(hand_off, inputs, tf.int64, name=f"collectives_hand_off_{index}"))
         if after_hand_off is not None:
             after_hand_off()
         for variable in reversed(range(len(gradients))):
             if kinds[variable] == SPARSE:
                 gradient = gradients[variable]
                 gather = functools.partial(self._gather_sparse, entries=entries)
-                values, indices = tf.numpy_function(
+                values, indices = host_call(
                     gather,
                     [gradient.values, gradient.indices],
                     [gradient.values.dtype, gradient.indices.dtype],
-                    stateful=True,
                     name="collectives_gather_sparse",
                 )
                 values.set_shape([None, *gradient.values.shape[1:]])
@@ -214,13 +211,8 @@ class GradientAggregator:
         for index, bucket in enumerate(exchange.buckets):
             dtype = tf.as_dtype(bucket.dtype)
             collect = functools.partial(self._collect, exchange, index, entries)
-            outputs = tf.numpy_function(
-                collect,
-                [tokens[index]],
-                [dtype] * len(bucket.slots),
-                stateful=True,
-                name=f"collectives_collect_{index}",
-            )
+            name = f"collectives_collect_{index}"
+            outputs = host_call(collect, [tokens[index]], [dtype] * len(bucket.slots), name=name)
             for slot, output in zip(bucket.slots, outputs):
                 output.set_shape(slot.shape)
                 results[slot.variable] = output

@@ -38,6 +38,7 @@ from ._tensorflow import (
     as_operand,
     as_tensor,
     communicator,
+    host_call,
     output_like,
     tape_recording,
     tensorflow,
@@ -111,9 +112,7 @@ def grouped_allreduce(
     def forward(*xs: Any) -> list[Any]:
         if tf.executing_eagerly():
             return [as_tensor(r) for r in reduce(*(as_operand(x) for x in xs))]
-        results = tf.numpy_function(
-            reduce, list(xs), [x.dtype for x in xs], stateful=True, name="collectives_grouped_allreduce"
-        )
+        results = host_call(reduce, list(xs), [x.dtype for x in xs], name="collectives_grouped_allreduce")
         for result, x in zip(results, xs):
             result.set_shape(x.shape)
         return list(results)
@@ -220,9 +219,7 @@ def alltoall(tensor: Any, splits: Any = None, comm: Communicator | None = None) 
         if tf.executing_eagerly():
             received, received_counts = exchange(as_array(x), *(as_array(c) for c in counts))
             return as_tensor(received), tf.convert_to_tensor(received_counts)
-        received, received_counts = tf.numpy_function(
-            exchange, [x, *counts], [x.dtype, tf.int32], stateful=True, name="collectives_alltoall"
-        )
+        received, received_counts = host_call(exchange, [x, *counts], [x.dtype, tf.int32], name="collectives_alltoall")
         received.set_shape([None, *x.shape[1:]])
         received_counts.set_shape([comm.size])
         return received, received_counts
@@ -328,8 +325,8 @@ def broadcast_variables(variables: Sequence[Any], root: int = 0, comm: Communica
     if tf.executing_eagerly():
         received = exchange(*(as_array(value) for value in values))
     else:
-        received = tf.numpy_function(
-            exchange, values, [value.dtype for value in values], stateful=True, name="collectives_broadcast_variables"
+        received = host_call(
+            exchange, values, [value.dtype for value in values], name="collectives_broadcast_variables"
         )
     for variable, value in zip(variables, received):
         variable.assign(tf.reshape(value, variable.shape))  # a numpy_function's output has no static shape
@@ -339,6 +336,6 @@ def _apply(tf, function: Callable[[np.ndarray], np.ndarray], tensor: Any, shape:
     """Run a numpy collective on `tensor`: directly when eager, as a stateful op in a graph."""
     if tf.executing_eagerly():
         return as_tensor(function(as_operand(tensor)))
-    result = tf.numpy_function(function, [tensor], tensor.dtype, stateful=True, name=name)
+    result = host_call(function, [tensor], tensor.dtype, name=name)
     result.set_shape(shape)
     return result

@@ -29,7 +29,8 @@ the plain optimizer, ready to be wrapped again. Wrapping a built optimizer (that
 state over: the new optimizer takes its variables (step count, moments) when it is built, so a
 resumed `fit` goes on as an uninterrupted one would, as Horovod's `load_model` does. XLA cannot
 compile the exchange (it runs as `tf.numpy_function`): compile with `jit_compile=False` on
-machines with a GPU (on CPU-only machines Keras's default already is False).
+machines with a GPU (on CPU-only machines Keras's default already is False); a model compiled
+for XLA is refused as its training step is traced, saying so.
 """
 
 from __future__ import annotations

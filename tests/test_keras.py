@@ -217,6 +217,31 @@ def test_wrapping_an_optimizer_built_for_another_model_is_refused() -> None:
     run_threads(body, 1, timeout=60)
 
 
+def test_a_model_compiled_for_xla_is_refused_saying_how_to_compile_it() -> None:
+    """XLA cannot compile the exchange (a `tf.numpy_function`): `jit_compile=True` (what Keras's
+    "auto" picks on a machine with a GPU) fails as the step is traced, naming the fix, not with
+    TensorFlow's "No registered 'PyFunc' OpKernel"; the same model without XLA trains."""
+    import keras
+
+    from collectives.strategies import DistributedOptimizer
+
+    def body(comm: collectives.Communicator) -> None:
+        for jit_compile in (True, False):
+            model = small_model(0)
+            model.compile(
+                optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), comm=comm),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=jit_compile,
+            )
+            if jit_compile:
+                with pytest.raises(ValueError, match=r"XLA cannot compile.*jit_compile=False"):
+                    model.fit(*rank_data(comm.rank), batch_size=4, epochs=1, verbose=0)
+            else:
+                model.fit(*rank_data(comm.rank), batch_size=4, epochs=1, verbose=0)
+
+    run_threads(body, 2, timeout=60)
+
+
 # -- callbacks --------------------------------------------------------------------------------------
 
 
