@@ -136,6 +136,10 @@ _POLLS_PER_YIELD = 16
 _yield = getattr(os, "sched_yield", lambda: None)
 _ENVELOPE_WAIT = 0.2
 """How long the progress thread waits for envelopes before it looks whether to stop."""
+_NOTICE_LOOK_SECONDS = 1e-3
+"""How often at most a wait in one of NCCL's own collectives asks the control transport for a
+peer's notice (`Transport.peer_notice`: an MPI `Test` each time); a small call finishes before the
+first look, so it pays nothing."""
 _TEARDOWN_SECONDS = 5.0
 """How long closing or aborting waits for NCCL to let go of its communicators."""
 
@@ -1067,7 +1071,7 @@ class _WorldCall:
     (`tag`), once the control transport has a peer's notice that reaches it. An NCCL error raises
     from `test`."""
 
-    __slots__ = ("_transport", "_world", "_what", "_event", "_copy_back", "_tag", "_error", "_settled")
+    __slots__ = ("_transport", "_world", "_what", "_event", "_copy_back", "_tag", "_next_look", "_error", "_settled")
 
     def __init__(
         self,
@@ -1086,6 +1090,8 @@ class _WorldCall:
         self._copy_back = copy_back
         """(host array, device buffer): copied once the operation has finished."""
         self._tag = tag
+        self._next_look = time.monotonic() + _NOTICE_LOOK_SECONDS
+        """When to ask the control transport for a peer's notice next (`_NOTICE_LOOK_SECONDS`)."""
         self._error: BaseException | None = None
         self._settled = False
 
@@ -1100,7 +1106,8 @@ class _WorldCall:
             return True
         transport = self._transport
         failure = transport._failure or next(iter(transport._peer_failures.values()), None)
-        if failure is None and self._tag is not None:
+        if failure is None and self._tag is not None and (now := time.monotonic()) >= self._next_look:
+            self._next_look = now + _NOTICE_LOOK_SECONDS
             failure = transport.control.peer_notice(self._tag)
         if failure is not None:
             self._error = failure

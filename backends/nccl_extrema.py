@@ -26,7 +26,7 @@ import numpy as np
 
 from .device import cupy_module
 
-FLOAT_EXTREMA = frozenset({"max", "min"})
+_FLOAT_EXTREMA = frozenset({"max", "min"})
 """The ops whose float reductions go through order keys."""
 
 _LAYOUTS = {
@@ -42,7 +42,7 @@ _kernels: dict[tuple[str, int], Any] = {}
 
 def needs_keys(op: str, dtype: Any) -> bool:
     """Whether NCCL's reduction by `op` of `dtype` must go through order keys."""
-    return op in FLOAT_EXTREMA and np.dtype(dtype).kind == "f"
+    return op in _FLOAT_EXTREMA and np.dtype(dtype).kind == "f"
 
 
 def key_dtype(dtype: Any) -> np.dtype:
