@@ -1533,9 +1533,14 @@ class GrpcTransport(Transport):
         self._abort_context(0, error, since_tag)
 
     def _abort_context(self, context: int, error: BaseException, since_tag: int | None) -> None:
-        """`abort` of one context: this rank's own failure, told to every peer."""
+        """`abort` of one context: this rank's own failure, told to every peer. Not once the
+        transport has shut down: what failed then is its own teardown (a program that ended with
+        a collective running, say), and the peers see its streams end, which says so; an abort
+        notice would tell them this rank failed, quoting "transport closed"."""
         if since_tag is not None and not 0 <= since_tag < LIBRARY_TAGS:
             raise ValueError(f"since_tag must be None or in 0..{LIBRARY_TAGS - 1}, got {since_tag}")
+        if self._closed:
+            return
         self._aborted(context, (self.rank, abort_kind(error), str(error)), since_tag, skip=set())
 
     duplicable = True

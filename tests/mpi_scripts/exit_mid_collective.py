@@ -2,16 +2,20 @@
 why, not at their deadline; exactly 2 ranks.
 
     mpiexec -n 2 python exit_mid_collective.py
+    python -m collectives.launch -n 2 exit_mid_collective.py
 
 Rank 0 starts an all-reduce that rank 1 joins only a second later, and its program ends (without
-waiting for the `Work`). Rank 1's all-reduce must fail with `PeerLostError` naming rank 0 and
-saying it exited in the middle of a collective, long before the 30 s timeout (before, it waited
-all of it). Rank 1 prints "rank 1: exit mid-collective ok"; rank 0 prints "rank 0: exit
-mid-collective ok" as it leaves. `gpu_scripts/nccl_exit_mid_collective.py` runs the same over NCCL.
+waiting for the `Work`). Rank 1's all-reduce must fail with `PeerLostError` naming rank 0, long
+before the 30 s timeout (before, over MPI it waited all of it), and saying why: over MPI that
+rank 0 exited in the middle of a collective (its closing note), over gRPC that its stream ended
+(before, rank 0's exit sent an abort notice quoting "transport closed"). Rank 1 prints "rank 1:
+exit mid-collective ok"; rank 0 prints "rank 0: exit mid-collective ok" as it leaves.
+`gpu_scripts/nccl_exit_mid_collective.py` runs the same over NCCL.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -47,6 +51,7 @@ def leave_or_be_left(comm: Communicator, x: Any, algorithm: str, explanation: st
 
 
 if __name__ == "__main__":
-    communicator = collectives.init(backend="mpi", timeout=TIMEOUT)
-    explained = "peer rank 0 exited in the middle of a collective"
+    launched = "COLLECTIVES_WORLD_SIZE" in os.environ  # by collectives.launch: gRPC; else by mpiexec
+    communicator = collectives.init(backend="grpc" if launched else "mpi", timeout=TIMEOUT)
+    explained = "its stream ended" if launched else "peer rank 0 exited in the middle of a collective"
     sys.exit(leave_or_be_left(communicator, np.ones(1 << 16, np.float32), "auto", explained))
