@@ -50,11 +50,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .base import emulated_host
+from .launch_variables import ENV_ADDRESSES, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
 
-ENV_RANK = "COLLECTIVES_RANK"
-ENV_WORLD_SIZE = "COLLECTIVES_WORLD_SIZE"
-ENV_ADDRESSES = "COLLECTIVES_ADDRESSES"
-ENV_SECRET = "COLLECTIVES_SECRET"
 ENV_TLS_CERT = "COLLECTIVES_TLS_CERT"
 ENV_TLS_KEY = "COLLECTIVES_TLS_KEY"
 ENV_TLS_CA = "COLLECTIVES_TLS_CA"

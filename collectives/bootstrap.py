@@ -28,6 +28,7 @@ from typing import Any
 from collectives import logs, ps_tasks
 from collectives.arguments import checked_count
 from collectives.backends.base import Transport, emulated_host
+from collectives.backends.launch_variables import ENV_ADDRESSES, ENV_RANK, ENV_WORLD_SIZE
 from collectives.communicator import DEFAULT_TIMEOUT, Communicator
 from collectives.core.layout import DEFAULT_DEVICE_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES
 from collectives.selection.tuning import autotune_mode
@@ -36,12 +37,6 @@ log = logging.getLogger(__name__)
 
 ENV_BACKEND = "COLLECTIVES_BACKEND"
 """Forces a backend: "mpi", "grpc", "nccl" or "threads" (one rank)."""
-ENV_RANK = "COLLECTIVES_RANK"
-ENV_WORLD_SIZE = "COLLECTIVES_WORLD_SIZE"
-ENV_ADDRESSES = "COLLECTIVES_ADDRESSES"
-"""Comma-separated host:port of every rank, in rank order (gRPC)."""
-ENV_SECRET = "COLLECTIVES_SECRET"
-"""Shared secret every gRPC rank proves it holds; it never travels (docs/security.md)."""
 
 ENV_AUTOTUNE = "COLLECTIVES_AUTOTUNE"
 """What `init()` measures so that `algorithm="auto"` chooses well: "calibrate" (the default),

@@ -44,7 +44,8 @@ from typing import IO
 from collectives import launch_rank
 from collectives.backends._grpc_config import ENV_BIND, ENV_REUSE_PORT
 from collectives.backends.base import ENV_RANKS_PER_NODE
-from collectives.bootstrap import ENV_ADDRESSES, ENV_BACKEND, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
+from collectives.backends.launch_variables import ENV_ADDRESSES, ENV_RANK, ENV_SECRET, ENV_WORLD_SIZE
+from collectives.bootstrap import ENV_BACKEND
 from collectives.launch_rank import ENV_LAUNCHER_PID
 
 _LAST_LINES = 20
