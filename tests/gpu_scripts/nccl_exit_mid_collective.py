@@ -10,19 +10,17 @@ collective (`native`).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi_scripts"))
 
 import cupy  # noqa: E402
-from exit_mid_collective import TIMEOUT, leave_or_be_left  # noqa: E402
+from exit_mid_collective import LAUNCHED, TIMEOUT, leave_or_be_left  # noqa: E402
 
 import collectives  # noqa: E402
 
 if __name__ == "__main__":
     comm = collectives.init(timeout=TIMEOUT, autotune="off")
-    under_mpi = "COLLECTIVES_WORLD_SIZE" not in os.environ
-    explained = "peer rank 0 exited in the middle of a collective" if under_mpi else "rank 0"
+    explained = "rank 0" if LAUNCHED else "peer rank 0 exited in the middle of a collective"
     sys.exit(leave_or_be_left(comm, cupy.ones(1 << 16, cupy.float32), sys.argv[1], explained))

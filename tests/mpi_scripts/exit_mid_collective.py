@@ -24,8 +24,11 @@ import numpy as np
 
 import collectives
 from collectives import Communicator, PeerLostError
+from collectives.backends.launch_variables import ENV_WORLD_SIZE
 
 TIMEOUT = 30.0
+LAUNCHED = ENV_WORLD_SIZE in os.environ
+"""Whether `collectives.launch` started this job (its control transport gRPC), not `mpiexec`."""
 
 
 def leave_or_be_left(comm: Communicator, x: Any, algorithm: str, explanation: str) -> int:
@@ -51,7 +54,6 @@ def leave_or_be_left(comm: Communicator, x: Any, algorithm: str, explanation: st
 
 
 if __name__ == "__main__":
-    launched = "COLLECTIVES_WORLD_SIZE" in os.environ  # by collectives.launch: gRPC; else by mpiexec
-    communicator = collectives.init(backend="grpc" if launched else "mpi", timeout=TIMEOUT)
-    explained = "its stream ended" if launched else "peer rank 0 exited in the middle of a collective"
+    communicator = collectives.init(backend="grpc" if LAUNCHED else "mpi", timeout=TIMEOUT)
+    explained = "its stream ended" if LAUNCHED else "peer rank 0 exited in the middle of a collective"
     sys.exit(leave_or_be_left(communicator, np.ones(1 << 16, np.float32), "auto", explained))
