@@ -74,6 +74,13 @@ ABORT_LOST = "lost"
 ABORT_CLOSED = "closed"
 """The kind of a notice that a peer closed cleanly (`Transport.leaving`), not an abort."""
 
+ENDED_MID_COLLECTIVE = (
+    "the program is ending with collectives not finished, so they are abandoned and the peers are "
+    "told that this rank left; wait for every asynchronous collective's Work, or close() the "
+    "communicator, before the program ends"
+)
+"""What a rank whose program ends mid-collective says of itself (its peers hear that it left)."""
+
 LIBRARY_TAGS = 1 << 30
 """Tags the library sends on lie in [0, LIBRARY_TAGS); a communicator's collectives take them in
 blocks, in call order, wrapping around at the end."""

@@ -159,6 +159,7 @@ import numpy as np
 from . import _grpc_config as wire
 from .base import Consume, LockRequest, Transport, check_host_buffer, wait_first
 from .errors import (
+    ENDED_MID_COLLECTIVE,
     LIBRARY_TAGS,
     BackendUnavailableError,
     CollectiveError,
@@ -261,7 +262,7 @@ def _close_before_exit(transport: GrpcTransport) -> None:
     def close() -> None:
         alive = reference()
         if alive is not None:
-            alive.shut_down()  # its duplicates with it: the process is exiting
+            alive.shut_down(exiting=True)  # its duplicates with it
 
     register = getattr(threading, "_register_atexit", None)
     try:
@@ -574,6 +575,9 @@ class GrpcTransport(Transport):
         """Readers waiting (lock held) for a receive to be posted, which a posted receive wakes."""
         self._contexts = {0}  # this transport's own and its duplicates'
         self._closed = False
+        self._closed_at_exit = False
+        """Whether the program ended without closing this transport (`_close_before_exit`): what
+        fails then says so, not that the transport closed."""
         self._sessions: dict[int, _Session] = {}  # per source: its one authenticated stream, for good
         self._cookie_key = os.urandom(32)  # lets Hello stay stateless: see `_cookie`
         self._keys: dict[int, bytes] = {}  # per peer: the key of this rank's session with it
@@ -1448,7 +1452,14 @@ class GrpcTransport(Transport):
             failure = self._context_failure(tag)
             if failure is not None:
                 return failure
-        return PeerLostError(f"rank {self.rank}: transport already closed") if self._closed else None
+        return self._closed_error("transport already closed") if self._closed else None
+
+    def _closed_error(self, what: str) -> PeerLostError:
+        """What an operation failed by this transport's closing raises: `what` happened, or, at
+        exit, that the program ended with a collective running (the one way that happens)."""
+        if self._closed_at_exit:
+            return PeerLostError(f"rank {self.rank}: {ENDED_MID_COLLECTIVE}")
+        return PeerLostError(f"rank {self.rank}: {what}")
 
     def _refusal(self, peer: int, tag: int) -> CollectiveError | None:
         """Why a new request with `peer` on `tag` must fail at once, or None. Lock held."""
@@ -1577,7 +1588,7 @@ class GrpcTransport(Transport):
             victims = self._withdraw(lambda tag: tag >> CONTEXT_SHIFT == context)
             unused = all(c in self._failures and self._failures[c].closed for c in self._contexts)
         for request in victims:
-            request._finish(PeerLostError(f"rank {self.rank}: transport closed with a {request.kind} pending"))
+            request._finish(self._closed_error(f"transport closed with a {request.kind} pending"))
         if unused:
             self.shut_down()
 
@@ -1613,15 +1624,17 @@ class GrpcTransport(Transport):
         every backend), and go with the last of them, or at exit."""
         self._close_context(0)
 
-    def shut_down(self) -> None:
-        """Close every context, the duplicates' too, and end the streams, channels and server."""
+    def shut_down(self, *, exiting: bool = False) -> None:
+        """Close every context, the duplicates' too, and end the streams, channels and server;
+        `exiting`: because the program ends without having closed it."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._closed_at_exit = exiting
             victims = self._withdraw(lambda tag: True)  # the duplicates' too: they close with it
         for request in victims:
-            request._finish(PeerLostError(f"rank {self.rank}: transport closed with a {request.kind} pending"))
+            request._finish(self._closed_error(f"transport closed with a {request.kind} pending"))
         for call in self._abort_calls:  # let abort notices overtake the end of our streams
             try:
                 call.result(timeout=ABORT_DEADLINE)
@@ -1644,7 +1657,7 @@ class GrpcTransport(Transport):
                 call.result(timeout=max(deadline - time.monotonic(), 0.0))
             except BaseException:  # noqa: BLE001 - the peer may be gone already; nothing to flush
                 pass
-        closing = PeerLostError(f"rank {self.rank}: transport closed with a send pending")
+        closing = self._closed_error("transport closed with a send pending")
         for outbox in self._outboxes.values():
             self._fail_queue(outbox, closing)
         self._shutdown_quietly()

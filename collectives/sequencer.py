@@ -45,7 +45,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from collectives.backends.base import Transport
-from collectives.backends.errors import LIBRARY_TAGS, CollectiveError, CommunicatorBrokenError, ConcurrentUseError
+from collectives.backends.errors import (
+    ENDED_MID_COLLECTIVE,
+    LIBRARY_TAGS,
+    CollectiveError,
+    CommunicatorBrokenError,
+    ConcurrentUseError,
+)
 from collectives.core.group import Group, HeaderCheck
 from collectives.core.tags import TAGS_PER_COLLECTIVE, collective_tags
 
@@ -74,13 +80,12 @@ def _close_at_exit() -> None:
     with a collective still running (the program ended, or raised, without waiting for its
     asynchronous work) is not closed, which would wait for that collective, perhaps until its
     deadline: its transport is told which collective this rank abandons, and its peers hear of it
-    when the transport's own hook closes it."""
+    when the transport's own hook closes it (`Sequencer._abandon`)."""
     for _, sequencer in sorted(_OPEN.items(), reverse=True):  # newest first, as every rank made them
         running = sequencer._next_to_run
         if running <= sequencer._last_submitted:
             if sequencer._broken is None:  # a broken one has told its peers already (`_break`)
-                first_abandoned = collective_tags(running % _TAG_WRAP, "the abandoned collective").start
-                sequencer._transport.leaving(first_abandoned, running=True)
+                sequencer._abandon(running)
             continue
         try:
             sequencer.close()
@@ -197,6 +202,11 @@ class Sequencer:
         self._sequence = itertools.count(1)
         self._next_to_run = 1  # sequence number of the collective allowed to start next
         self._last_submitted = 0
+        self._started: tuple[int, bytes] = (0, b"")
+        """The number and header of the collective running or last run (for `_abandon`'s warning)."""
+        self._abandoned = False
+        """Whether the program ended with a collective running (`_abandon`): its failure, as the
+        transport closes under it, is then no news to log."""
         self._abort_owed = False
         """Whether the transport must still be aborted for a failure found outside the running
         collective (`_concurrent_use`); the collective running then does it as it finishes."""
@@ -402,11 +412,28 @@ class Sequencer:
             self._abort_owed = True
         return error
 
+    def _abandon(self, running: int) -> None:
+        """The program ends with collective number `running` still running (an asynchronous one
+        never waited for, or a blocking one on a thread left behind): tell the transport that this
+        rank leaves in it, so that its peers hear of it as the transport closes, and say so once.
+        The collective then fails as the transport closes under it; that is not logged again as a
+        failure (it would blame the closed transport)."""
+        self._abandoned = True
+        self._transport.leaving(collective_tags(running % _TAG_WRAP, "the abandoned collective").start, running=True)
+        log.warning(
+            "rank %d: %s (running: %s, %d collective(s) in all)",
+            self._transport.rank,
+            ENDED_MID_COLLECTIVE,
+            self._started[1].decode(errors="replace") if self._started[0] == running else "none started yet",
+            self._last_submitted - running + 1,
+        )
+
     def _remember(self, error: BaseException) -> None:
         """Enter the broken state with `error`, unless already broken."""
         if self._broken is None:
             self._broken = error
-            log.error("rank %d: collective failed, communicator is now broken: %s", self._transport.rank, error)
+            if not self._abandoned:
+                log.error("rank %d: collective failed, communicator is now broken: %s", self._transport.rank, error)
 
     def _broken_refusal(self, cause: BaseException) -> CommunicatorBrokenError:
         return CommunicatorBrokenError(
@@ -448,6 +475,7 @@ class Sequencer:
         try:
             if self._broken is not None:  # queued before the failure: fail fast, do not talk
                 raise self._broken_refusal(self._broken)
+            self._started = seq, header
             group = self._group(seq, header).with_agreement(check)
             result = run(group)
             group.finish_agreement()

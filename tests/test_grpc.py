@@ -31,6 +31,7 @@ import pytest
 
 from collectives.backends import _grpc_config as wire
 from collectives.backends.errors import (
+    ENDED_MID_COLLECTIVE,
     BackendUnavailableError,
     CollectiveError,
     MismatchError,
@@ -1232,7 +1233,8 @@ def test_late_starting_rank_is_waited_for() -> None:
 def test_a_rank_exiting_mid_collective_is_heard_of_as_an_ended_stream() -> None:
     """A program that ends with an asynchronous collective running: its peer fails at once,
     saying that rank 0's stream ended. (Before, rank 0's exit failed its own pending receive and
-    told its peers it aborted, quoting "transport closed with a recv pending".)"""
+    told its peers it aborted, quoting "transport closed with a recv pending".) Rank 0 says why
+    its collective fails: the program ended with it running."""
     from processes import launch_job
 
     script = str(HERE / "mpi_scripts" / "exit_mid_collective.py")
@@ -1240,3 +1242,5 @@ def test_a_rank_exiting_mid_collective_is_heard_of_as_an_ended_stream() -> None:
     assert job.returncode == 0, job.stdout + job.stderr
     for rank in (0, 1):
         assert f"rank {rank}: exit mid-collective ok" in job.stdout, job.stdout + job.stderr
+    assert f"rank 0: {ENDED_MID_COLLECTIVE}" in job.stderr, job.stderr
+    assert "transport closed" not in job.stderr and "already closed" not in job.stderr, job.stderr
