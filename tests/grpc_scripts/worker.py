@@ -184,8 +184,7 @@ def _intrude(target: str, secret: str | None) -> tuple[dict[str, str], dict[str,
 
     if secret is not None:
         # Rank 0 already has its stream to this server: a second handshake is refused. On a
-        # connection of its own, so that what the abuse below leaves on a connection (calls the
-        # server has not yet retired, a message still being refused) cannot decide its answer.
+        # connection of its own, as every call below (`attempt`).
         with grpc.insecure_channel(target, options=BIG_MESSAGES) as channel:
             try:
                 hello(channel, 0, 2, secret.encode())
@@ -193,37 +192,33 @@ def _intrude(target: str, secret: str | None) -> tuple[dict[str, str], dict[str,
             except grpc.RpcError as error:
                 record("hello_duplicate_rank", error)
     claims = ((RANK_METADATA_KEY, "0"), (SIZE_METADATA_KEY, "2"))
-    with grpc.insecure_channel(target, options=BIG_MESSAGES) as channel:
-        calls = {
-            name: channel.stream_unary(method, request_serializer=identity, response_deserializer=identity)
-            for name, method in (
-                ("hello", HELLO),
-                ("stream", STREAM),
-                ("abort", ABORT),
-                ("nope", "/collectives.Transport/Nope"),
-            )
-        }
+    methods = {"hello": HELLO, "stream": STREAM, "abort": ABORT, "nope": "/collectives.Transport/Nope"}
 
-        def attempt(name: str, method: str, metadata: tuple = (), body: list[bytes] | None = None) -> None:
+    def attempt(name: str, method: str, metadata: tuple = (), body: list[bytes] | None = None) -> None:
+        """One abusive call, on a connection of its own: the server allows a few calls at once per
+        connection, and one that refused the previous call may not have retired it yet (its
+        client still sending the body), which would refuse this one for that (REFUSED_STREAM)."""
+        with grpc.insecure_channel(target, options=BIG_MESSAGES) as channel:
+            call = channel.stream_unary(methods[method], request_serializer=identity, response_deserializer=identity)
             try:
-                calls[method](iter(body or []), metadata=metadata, timeout=5)
+                call(iter(body or []), metadata=metadata, timeout=5)
                 record(name, None)
             except grpc.RpcError as error:
                 record(name, error)
 
-        # Rank 0 already has its stream here, so a stranger cannot even get a session to prove:
-        # it makes one up, as a proof made with a wrong secret would look.
-        made_up = stream_metadata(0, 2, os.urandom(32), os.urandom(48), b"not the key")
-        attempt("hello_no_claims", "hello")
-        attempt("stream_no_proof", "stream", claims, [b"garbage"])
-        attempt("stream_wrong_secret", "stream", made_up, [b"garbage"])
-        notice = b'{"origin": 0, "kind": "lost", "text": "x"}'
-        forged = (*claims, (COUNTER_METADATA_KEY, "99"), (NOTICE_METADATA_KEY, notice), (PROOF_METADATA_KEY, b"x" * 32))
-        attempt("abort_forged", "abort", forged)
-        attempt("stream_bad_rank", "stream", ((RANK_METADATA_KEY, "abc"), (SIZE_METADATA_KEY, "2")), [b"garbage"])
-        attempt("stream_rank_out_of_range", "stream", ((RANK_METADATA_KEY, "99"), (SIZE_METADATA_KEY, "2")))
-        attempt("stream_oversized_unread", "stream", claims, [b"x" * (17 * 1024 * 1024)])
-        attempt("unknown_method", "nope")
+    # Rank 0 already has its stream here, so a stranger cannot even get a session to prove:
+    # it makes one up, as a proof made with a wrong secret would look.
+    made_up = stream_metadata(0, 2, os.urandom(32), os.urandom(48), b"not the key")
+    attempt("hello_no_claims", "hello")
+    attempt("stream_no_proof", "stream", claims, [b"garbage"])
+    attempt("stream_wrong_secret", "stream", made_up, [b"garbage"])
+    notice = b'{"origin": 0, "kind": "lost", "text": "x"}'
+    forged = (*claims, (COUNTER_METADATA_KEY, "99"), (NOTICE_METADATA_KEY, notice), (PROOF_METADATA_KEY, b"x" * 32))
+    attempt("abort_forged", "abort", forged)
+    attempt("stream_bad_rank", "stream", ((RANK_METADATA_KEY, "abc"), (SIZE_METADATA_KEY, "2")), [b"garbage"])
+    attempt("stream_rank_out_of_range", "stream", ((RANK_METADATA_KEY, "99"), (SIZE_METADATA_KEY, "2")))
+    attempt("stream_oversized_unread", "stream", claims, [b"x" * (17 * 1024 * 1024)])
+    attempt("unknown_method", "nope")
     host, port = target.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as raw:  # not even HTTP/2
         raw.sendall(b"\x00\xffGET / HTTP/1.1\r\n\r\n" + os.urandom(4096))
