@@ -343,6 +343,10 @@ FLAG_LAST = 2
 WHOLE = FLAG_FIRST | FLAG_LAST
 """The frame is a whole message: it carries exactly `total` payload bytes, and another frame may
 follow it in the same gRPC message (small messages queued together travel together)."""
+FLAG_CLOSING = 4
+"""The frame is a closing note, alone in its flags, with no header, no payload and the stream's
+last message number: the sender's communicator on the frame's context (the tag's high bits) starts
+no collective from the tag's low bits on. It is no message: nothing receives it."""
 PREFIX = struct.Struct("<2sBBqQQI")
 """magic, version, flags, tag, sequence number of the message on its stream (0, 1, 2, ...), total
 payload bytes of the message, header bytes in this frame."""
@@ -375,7 +379,7 @@ def decode_frame(message: bytes, offset: int = 0) -> tuple[int, int, int, int, b
     magic, version, flags, tag, sequence, total, header_len = PREFIX.unpack_from(message, offset)
     if magic != FRAME_MAGIC or version != FRAME_VERSION:
         raise FrameError(f"bad frame magic/version {magic!r}/{version}")
-    if flags & ~WHOLE:
+    if flags & ~WHOLE and (flags != FLAG_CLOSING or total or header_len):
         raise FrameError(f"unknown frame flags {flags:#x}")
     if not 0 <= tag < MAX_TAG:
         raise FrameError(f"tag {tag} out of range")
@@ -386,7 +390,7 @@ def decode_frame(message: bytes, offset: int = 0) -> tuple[int, int, int, int, b
     start = offset + PREFIX.size + header_len
     if start > len(message):
         raise FrameError(f"header of {header_len} bytes runs past the {len(message) - offset}-byte frame")
-    if flags == WHOLE:
+    if flags == WHOLE or flags == FLAG_CLOSING:
         end = start + total
         if end > len(message):
             raise FrameError(f"single-frame message carries {len(message) - start} of its {total} bytes")

@@ -367,9 +367,10 @@ class Transport(abc.ABC):
         whose program exits while that collective runs: it will not finish it (nor start later ones).
 
         A peer that called more collectives (uneven data, a loop that ran once more), or waits in
-        the abandoned one, must fail at once, naming this rank, not at its deadline. Threads and
-        gRPC need nothing for that: their peers see a closed endpoint or an ended stream. A backend
-        whose peers would see nothing (MPI) tells them as it closes."""
+        the abandoned one, must fail at once, naming this rank, not at its deadline. Threads need
+        nothing for that: their peers see a closed endpoint; nor does gRPC's last open context:
+        the streams end. A backend whose peers would see nothing (MPI; a gRPC context closing while
+        others keep the streams open) tells them as it closes."""
 
     def peer_notice(self, tag: int) -> BaseException | None:
         """The error of a peer's abort or closing notice (`leaving`) that reaches the collective at

@@ -81,6 +81,21 @@ ENDED_MID_COLLECTIVE = (
 )
 """What a rank whose program ends mid-collective says of itself (its peers hear that it left)."""
 
+
+def departure_text(running: bool) -> str:
+    """What a rank's closing note (`Transport.leaving`) tells a peer that waits in a collective
+    it will never finish: "peer rank r " + this (`error_from_abort` with `ABORT_CLOSED`)."""
+    if running:
+        return (
+            "exited in the middle of a collective (this one or an earlier one), so this one cannot "
+            "complete: did its program end, or raise, with asynchronous collectives still running?"
+        )
+    return (
+        "closed its communicator (or exited) after its last collective, so this one cannot complete: "
+        "this rank called more collectives than it did (uneven data across ranks, or a loop that ran once more?)"
+    )
+
+
 LIBRARY_TAGS = 1 << 30
 """Tags the library sends on lie in [0, LIBRARY_TAGS); a communicator's collectives take them in
 blocks, in call order, wrapping around at the end."""

@@ -57,6 +57,11 @@ Failure handling.
   off included) and every send to it with `PeerLostError` naming it. HTTP/2 keepalive (20 s)
   catches peers whose machine vanished.
 * A peer closing cleanly ends its stream; receives it can no longer satisfy fail the same way.
+  A duplicate (or the transport's own context) that closes while other contexts keep the
+  streams open sends, after `leaving`, a closing note down each stream behind its last messages
+  (a `FLAG_CLOSING` frame: context and first tag never started, no payload): the peer's receives
+  on that context from that tag on fail at once naming it, and what it sent before stays
+  receivable.
 
 Duplicates. `dup(key)` returns a `GrpcDuplicate`: a view over the same streams whose messages
 travel on tags moved into a range of their own, ``context << 30 | tag`` (library tags are below
@@ -159,6 +164,7 @@ import numpy as np
 from . import _grpc_config as wire
 from .base import Consume, LockRequest, Transport, check_host_buffer, wait_first
 from .errors import (
+    ABORT_CLOSED,
     ENDED_MID_COLLECTIVE,
     LIBRARY_TAGS,
     BackendUnavailableError,
@@ -166,6 +172,7 @@ from .errors import (
     PeerLostError,
     abort_kind,
     abort_reaches,
+    departure_text,
     earlier_abort,
     error_from_abort,
 )
@@ -232,6 +239,10 @@ CONTEXT_SHIFT = LIBRARY_TAGS.bit_length() - 1
 below `LIBRARY_TAGS`, so every context has a tag range of its own."""
 MAX_CONTEXTS = wire.MAX_TAG >> CONTEXT_SHIFT
 """Context ids fit, shifted, in the frame prefix's tag."""
+DEPARTURES_KEPT = 4096
+"""Peers' closing notes remembered (`_peer_left`), the oldest forgotten first: so that notes for
+ever new contexts cannot grow a rank; a receive a forgotten note would have failed waits for its
+deadline instead."""
 
 _STREAM_ENDED = (
     "is lost: its stream ended (it closed its transport or exited, as a rank that ran fewer collectives than "
@@ -297,6 +308,20 @@ class _Request(LockRequest):
         with _CLAIMS:
             if self.buf is not None:
                 super()._finish(error)
+
+
+class _ClosingNote:
+    """A closing note queued for a peer's stream behind this rank's last sends on a context
+    (`GrpcTransport.leaving`); `tag`: the wire tag of the first collective this rank never starts.
+    Nothing waits for it."""
+
+    __slots__ = ("tag",)
+
+    def __init__(self, tag: int) -> None:
+        self.tag = tag
+
+    def _finish(self, error: CollectiveError | None = None) -> None:
+        """Dropped with the queue of a lost peer, as the sends are failed."""
 
 
 class _Incoming:
@@ -571,6 +596,10 @@ class GrpcTransport(Transport):
         self._lost: dict[int, CollectiveError] = {}
         self._failures: dict[int, _ContextFailure] = {}
         """Per context (see `dup`): why its operations fail, once it aborted or closed."""
+        self._leaving: dict[int, int] = {}
+        """Per context of this rank: the tag from which it starts no collective (`leaving`)."""
+        self._departed: dict[tuple[int, int], tuple[int, CollectiveError]] = {}
+        """Per (peer, context): the tag of a peer's closing note, and the error of a receive it reaches."""
         self._held_back = 0
         """Readers waiting (lock held) for a receive to be posted, which a posted receive wakes."""
         self._contexts = {0}  # this transport's own and its duplicates'
@@ -928,6 +957,10 @@ class GrpcTransport(Transport):
                 if batch:
                     yield _join(batch, batched)
                 return
+            if type(request) is _ClosingNote:  # after every send queued before it, as the peer needs
+                batch.append(wire.encode_prefix(wire.FLAG_CLOSING, request.tag, sequence, 0, 0))
+                batch_bytes += wire.PREFIX.size
+                continue
             if request.finished:  # failed by a lost peer while queued
                 continue
             if self._failures:  # its context aborted or closed while it was queued
@@ -1007,6 +1040,8 @@ class GrpcTransport(Transport):
                 incoming = self._matcher.take_message((src, tag))
                 # A lost sender sends nothing more: only what it finished sending can be received.
                 refusal = None if incoming is not None and incoming.complete else self._lost.get(src)
+                if refusal is None and incoming is None and self._departed:
+                    refusal = self._departure(src, tag)
                 if refusal is None:
                     if incoming is None:
                         self._matcher.post_receive((src, tag), request)
@@ -1093,6 +1128,11 @@ class GrpcTransport(Transport):
     ) -> None:
         """Handle one (decoded) frame of the stream from `src` (raises FrameError if it is malformed)."""
         landing = self._landing.get(src)
+        if flags == wire.FLAG_CLOSING:
+            if landing is not None or sequence != self._last_sequence[src]:
+                raise wire.FrameError("closing note inside a message, or out of its stream's order")
+            self._peer_left(src, tag)
+            return
         if flags & wire.FLAG_FIRST:
             if landing is not None:
                 raise wire.FrameError("a message started before the previous one ended")
@@ -1484,6 +1524,33 @@ class GrpcTransport(Transport):
         if outbox is not None:
             self._fail_queue(outbox, error)
 
+    def _peer_left(self, peer: int, wire_tag: int) -> None:
+        """`peer`'s closing note for one context (`leaving`): its receives there from the note's
+        tag on fail, now and when posted later (`_departure`), naming it; what it sent before
+        stays receivable. Its other contexts go on."""
+        context, since = wire_tag >> CONTEXT_SHIFT, wire_tag & (LIBRARY_TAGS - 1)
+        error = error_from_abort(peer, ABORT_CLOSED, departure_text(running=False), rank=self.rank)
+
+        def reached(recv: _Request) -> bool:
+            on_context = recv.peer == peer and recv.tag >> CONTEXT_SHIFT == context
+            return on_context and abort_reaches(recv.tag & (LIBRARY_TAGS - 1), since)
+
+        with self._lock:
+            if len(self._departed) >= DEPARTURES_KEPT:
+                self._departed.pop(next(iter(self._departed)))
+            self._departed[peer, context] = (since, error)
+            victims, _ = self._matcher.withdraw(reached, lambda held: False)
+        for request in victims:
+            request._finish(error)
+
+    def _departure(self, src: int, tag: int) -> CollectiveError | None:
+        """The error of a receive from `src` on wire tag `tag` that a closing note of `src`
+        reaches (`_peer_left`), or None. Lock held."""
+        departed = self._departed.get((src, tag >> CONTEXT_SHIFT))
+        if departed is None or not abort_reaches(tag & (LIBRARY_TAGS - 1), departed[0]):
+            return None
+        return departed[1]
+
     def _fail_queue(self, outbox: queue.SimpleQueue, error: CollectiveError) -> None:
         drained = []
         while True:
@@ -1587,10 +1654,27 @@ class GrpcTransport(Transport):
             failure.closed = True
             victims = self._withdraw(lambda tag: tag >> CONTEXT_SHIFT == context)
             unused = all(c in self._failures and self._failures[c].closed for c in self._contexts)
+            since = None if self._closed else self._leaving.pop(context, None)
         for request in victims:
             request._finish(self._closed_error(f"transport closed with a {request.kind} pending"))
+        if since is not None:
+            note = _ClosingNote(context << CONTEXT_SHIFT | since)
+            for outbox in self._outboxes.values():
+                outbox.put(note)
         if unused:
             self.shut_down()
+
+    def leaving(self, next_tag: int, *, running: bool = False) -> None:
+        """As this context closes, tell every peer, behind this rank's last sends on it, that it
+        starts no collective from `next_tag` on (`wire.FLAG_CLOSING`): a peer waiting in one
+        fails at once, naming this rank, instead of at its deadline while the streams stay open
+        for the other contexts. (With `running`, the program is exiting, and the streams end.)"""
+        self._leave_context(0, next_tag, running)
+
+    def _leave_context(self, context: int, next_tag: int, running: bool) -> None:
+        if not running:
+            with self._lock:
+                self._leaving[context] = next_tag
 
     def _broadcast_abort(self, context: int, notice: tuple[int, str, str], since: int | None, skip: set[int]) -> None:
         """Send an abort notice to every other peer: fire and forget (`close` waits for them). It
@@ -1721,6 +1805,9 @@ class GrpcDuplicate(Transport):
 
     def abort(self, error: BaseException, since_tag: int | None = None) -> None:
         self._transport._abort_context(self._context, error, since_tag)
+
+    def leaving(self, next_tag: int, *, running: bool = False) -> None:
+        self._transport._leave_context(self._context, next_tag, running)
 
     def close(self) -> None:
         self._transport._close_context(self._context)

@@ -167,6 +167,7 @@ from .errors import (
     PeerLostError,
     abort_kind,
     abort_reaches,
+    departure_text,
     earlier_abort,
     error_from_abort,
 )
@@ -1139,16 +1140,7 @@ class MPITransport(Transport):
         for request in list(self._live):
             request._fail(PeerLostError(f"rank {self.rank}: transport closed with {request._what()} pending"))
         if self._leaving_since is not None and departing:
-            self._tell_peers(
-                ABORT_CLOSED,
-                self._leaving_since,
-                "exited in the middle of a collective (this one or an earlier one), so this one cannot "
-                "complete: did its program end, or raise, with asynchronous collectives still running?"
-                if self._leaving_running
-                else "closed its communicator (or exited) after its last collective, so this one cannot "
-                "complete: this rank called more collectives than it did (uneven data across ranks, "
-                "or a loop that ran once more?)",
-            )
+            self._tell_peers(ABORT_CLOSED, self._leaving_since, departure_text(self._leaving_running))
             clean = clean and self._every_peer_closing()
         elif self._abort is not None:
             clean = False

@@ -381,6 +381,11 @@ class LeadingRanks(Transport):
     def abort(self, error: BaseException, since_tag: int | None = None) -> None:
         self._transport.abort(error, since_tag)
 
+    def leaving(self, next_tag: int, *, running: bool = False) -> None:
+        """The duplicate's closing note: a worker that stops early (uneven data) fails the
+        others' next collective at once, while the world's streams stay open for the ps tasks."""
+        self._transport.leaving(next_tag, running=running)
+
     def close(self) -> None:
         self._transport.close()
 

@@ -122,11 +122,12 @@ def test_a_rank_that_closes_early_fails_its_peers_at_once_on_threads() -> None:
 
 
 @needs_mpi
-@pytest.mark.parametrize("ending", ["close", "exit"])
+@pytest.mark.parametrize("ending", ["close", "exit", "dup"])
 def test_a_rank_that_stops_early_fails_its_peers_at_once_over_mpi(ending: str) -> None:
     """Rank 2 of 3 runs one all-reduce fewer, then closes its communicator or exits without
-    closing it: MPI shows its peers nothing, so it tells them as it closes (`Transport.leaving`)
-    and their extra all-reduce fails at once naming it, not at the 60 s deadline."""
+    closing it (or closes the duplicate it ran them on): MPI shows its peers nothing, so it tells
+    them as it closes (`Transport.leaving`) and their extra all-reduce fails at once naming it, not
+    at the 60 s deadline."""
     job = mpirun(3, str(SCRIPTS / "uneven_steps.py"), ending)
     assert_ok(job, 3, "uneven steps ok")
     assert "closed its communicator (or exited) after its last collective" in job.output, job.output
@@ -134,8 +135,11 @@ def test_a_rank_that_stops_early_fails_its_peers_at_once_over_mpi(ending: str) -
 
 
 @needs_grpc
-@pytest.mark.parametrize("ending", ["close", "exit"])
+@pytest.mark.parametrize("ending", ["close", "exit", "dup"])
 def test_a_rank_that_stops_early_fails_its_peers_at_once_over_grpc(ending: str) -> None:
+    """As over MPI. Closing or exiting ends the rank's streams, which its peers see; closing a
+    duplicate leaves them open for its other communicators, so it sends a closing note down them
+    (before, the peers waited for their 60 s deadline there)."""
     started = time.monotonic()
     result = launch_job(["-n", "3", str(SCRIPTS / "uneven_steps.py"), ending])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -234,6 +234,9 @@ def _prefix(flags: int, tag: int, total: int, header_len: int) -> bytes:
         (_prefix(1, 0, 2, 0) + b"x" * 10, "more than"),
         (_prefix(3, 0, 20, 0) + b"x" * 10, "carries 10 of its 20"),
         (_prefix(3, -5, 2, 0), "tag"),
+        (_prefix(wire.FLAG_CLOSING, 0, 1, 0) + b"x", "flags"),  # a closing note carries nothing
+        (_prefix(wire.FLAG_CLOSING, 0, 0, 2) + b"hd", "flags"),
+        (_prefix(wire.FLAG_CLOSING | wire.FLAG_FIRST, 0, 0, 0), "flags"),
     ],
 )
 def test_malformed_frames_are_rejected_by_the_parser(frame: bytes, words: str) -> None:
@@ -257,6 +260,15 @@ def test_whole_messages_share_a_grpc_message() -> None:
     assert (flags, tag, sequence, total, header, bytes(payload), end) == (3, 8, 2, 0, b"h", b"", len(message))
     with pytest.raises(wire.FrameError, match="shorter"):
         wire.decode_frame(first + b"x" * 5, len(first))  # trailing bytes that are no frame
+
+
+def test_a_closing_note_follows_the_messages_of_its_grpc_message() -> None:
+    first = wire.encode_prefix(wire.WHOLE, 7, 1, 3, 2) + b"hd" + b"abc"
+    note = wire.encode_prefix(wire.FLAG_CLOSING, 1 << 30 | 9, 1, 0, 0)
+    *_, end = wire.decode_frame(first + note)
+    flags, tag, sequence, total, header, payload, end = wire.decode_frame(first + note, end)
+    assert (flags, tag, sequence, total, header, bytes(payload)) == (wire.FLAG_CLOSING, 1 << 30 | 9, 1, 0, b"", b"")
+    assert end == len(first + note)
 
 
 @requires_grpc
@@ -797,6 +809,32 @@ def test_aborting_or_closing_a_duplicate_leaves_the_others_working(world: list[A
 
 
 @requires_grpc
+def test_a_peer_closing_a_duplicate_fails_the_receives_it_will_never_answer(world: list[Any]) -> None:
+    """Rank 0 closes a duplicate after telling it where it stops (`leaving`), its streams staying
+    open for the transport's own context: rank 1's receives there from that tag on fail at once,
+    naming rank 0, also when posted later (before, they waited for their deadline); what rank 0
+    sent before stays receivable, a receive on an earlier tag is not failed, and the transport's
+    own context goes on."""
+    a, b = world
+    dup_a, dup_b = a.dup(0), b.dup(0)
+    dup_a.isend(np.arange(3.0), 1, 4, H).wait(5)  # before the note: still received after it
+    waiting = dup_b.irecv(np.zeros(1), 0, 9, H)
+    earlier = dup_b.irecv(np.zeros(1), 0, 7, H)
+    dup_a.leaving(8)
+    dup_a.close()
+    with pytest.raises(PeerLostError, match="peer rank 0 closed its communicator"):
+        waiting.wait(10)
+    with pytest.raises(PeerLostError, match="peer rank 0 closed its communicator"):
+        dup_b.irecv(np.zeros(1), 0, 12, H).wait(1)  # posted after the note
+    sent_before = np.zeros(3)
+    dup_b.irecv(sent_before, 0, 4, H).wait(5)
+    np.testing.assert_array_equal(sent_before, np.arange(3.0))
+    assert not earlier.test()
+    assert_delivered(a, b, 3)
+    dup_b.close()
+
+
+@requires_grpc
 def test_a_new_world_waits_for_a_peer_still_closing_its_previous_one() -> None:
     """init() again after close(), where rank 1 closes its first world a second after rank 0:
     rank 0's new transport failed at once ("rank 1 refused to join: FAILED_PRECONDITION: rank 0
@@ -1051,6 +1089,8 @@ def test_malformed_frames_are_refused_and_the_real_ranks_carry_on(caplog: pytest
         [first, wire.encode_prefix(wire.FLAG_LAST, 1, 1, 10_000, 0) + b"y" * 20],  # short message
         [first, wire.encode_prefix(0, 1, 1, 10_000, 0) + b"y" * 9995],  # frames beyond the claimed total
         [first, wire.encode_prefix(wire.FLAG_LAST, 1, 2, 10_000, 0) + b"y" * 9990],  # another message's frame
+        [first, wire.encode_prefix(wire.FLAG_CLOSING, 1, 1, 0, 0)],  # a closing note inside a message
+        [wire.encode_prefix(wire.FLAG_CLOSING, 1, 5, 0, 0)],  # a closing note after messages never sent
     ]
     size = 2 + len(garbage)
     addresses = [f"127.0.0.1:{port}" for port in free_ports(size)]

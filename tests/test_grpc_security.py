@@ -374,6 +374,30 @@ def test_holding_messages_costs_no_more_memory_than_is_charged(
     assert kept <= charged <= 4 * MIB, f"{count} messages keep {kept} bytes, {charged} charged"
 
 
+def test_closing_notes_for_ever_new_contexts_are_remembered_within_a_bound(
+    victim_and_insiders: tuple[Any, list[str], bytes],
+) -> None:
+    """An insider's closing notes, each for a context of its own: rank 0 remembers no more of
+    them than `DEPARTURES_KEPT`, the newest, and the newest still reaches a receive on its context.
+    (The insider's stream then ends, which fails its receives anyway: what a closing note does to
+    them is tested in test_grpc.)"""
+    from intruder import send_frames
+
+    from collectives.backends import grpc as transport
+
+    victim, addresses, secret = victim_and_insiders
+    count = transport.DEPARTURES_KEPT + 500
+    notes = b"".join(wire.encode_prefix(wire.FLAG_CLOSING, context << 30, 0, 0, 0) for context in range(1, count + 1))
+    assert send_frames(addresses[0], 1, 3, secret, [notes], timeout=20) == "OK"
+    deadline = time.monotonic() + 10
+    while (1, count) not in victim._departed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(victim._departed) == transport.DEPARTURES_KEPT
+    assert (1, 1) not in victim._departed
+    with victim._lock:
+        assert "peer rank 1 closed its communicator" in str(victim._departure(1, count << 30 | 3))
+
+
 # -- 4. no secret --------------------------------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ from fake_gpu import HostOnlyThreads, installed, on_device
 import collectives
 from collectives.algorithms.parameter_server import ParameterServers
 from collectives.backends import _grpc_config as wire
-from collectives.backends.threads import ThreadFabric
+from collectives.backends.threads import ThreadFabric, ThreadTransport
 from collectives.ps_tasks import (
     MAX_SERVED_BYTES,
     DescriptorLayout,
@@ -294,6 +294,21 @@ def test_workers_communicator_reaches_only_the_workers() -> None:
         transport.isend(np.zeros(1), 2, 0, b"h")
     with pytest.raises(ValueError, match="not among the first 2"):
         LeadingRanks(fabric.endpoint(2), 2)
+
+
+def test_the_workers_communicator_passes_on_where_a_worker_stops() -> None:
+    """Its closing note (`leaving`) reaches the duplicate under it: without it, a gRPC worker's
+    peers waited for their deadline in a collective it never started."""
+    told: list[tuple[int, bool]] = []
+
+    class Recording(ThreadTransport):
+        def leaving(self, next_tag: int, *, running: bool = False) -> None:
+            told.append((next_tag, running))
+
+    transport = LeadingRanks(Recording(ThreadFabric(["node"] * 2), 0), 2)
+    transport.leaving(40)
+    transport.leaving(41, running=True)
+    assert told == [(40, False), (41, True)]
 
 
 def test_join_is_refused_with_ps_tasks() -> None:

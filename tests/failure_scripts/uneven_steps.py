@@ -1,12 +1,15 @@
 """Ranks that run different numbers of collectives: the last rank runs one all-reduce fewer, then
-closes its communicator (`close`) or just exits without closing it (`exit`).
+closes its communicator (`close`) or just exits without closing it (`exit`); or runs them on a
+duplicate (`comm.dup()`) that it closes while its process and first communicator go on (`dup`).
 
     mpiexec -n 3 python uneven_steps.py close
     python -m collectives.launch -n 3 uneven_steps.py exit
 
 Every other rank's extra all-reduce must fail with `PeerLostError` naming the last rank, long
 before the communicator's 60 s timeout; each rank prints "rank R: uneven steps ok" when its checks
-pass (the others with how long the failure took).
+pass (the others with how long the failure took). With `dup`, the failure must say that the rank
+closed its communicator (its process still runs: no stream ends), and every rank then meets in a
+barrier on the first communicator, which still works.
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ TIMEOUT = 60.0
 
 
 def main(ending: str) -> int:
-    comm = collectives.init(timeout=TIMEOUT)
+    world = collectives.init(timeout=TIMEOUT)
+    comm = world.dup() if ending == "dup" else world
     last = comm.size - 1
     for _ in range(STEPS):
         np.testing.assert_array_equal(comm.allreduce(np.ones(256, np.float32)), np.full(256, comm.size, np.float32))
     if comm.rank == last:
-        if ending == "close":
+        if ending in ("close", "dup"):
             comm.close()
+        if ending == "dup":
+            world.barrier()
         print(f"rank {comm.rank}: uneven steps ok", flush=True)
         return 0
     started = time.monotonic()
@@ -37,9 +43,14 @@ def main(ending: str) -> int:
         comm.allreduce(np.ones(256, np.float32))
     except collectives.PeerLostError as error:
         assert f"peer rank {last}" in str(error), f"rank {comm.rank}: {error}"
+        if ending == "dup":
+            assert "closed its communicator" in str(error), f"rank {comm.rank}: {error}"
     else:
         raise AssertionError(f"rank {comm.rank}: an all-reduce rank {last} never called completed")
-    print(f"rank {comm.rank}: uneven steps ok after {time.monotonic() - started:.2f} s", flush=True)
+    seconds = time.monotonic() - started
+    if ending == "dup":
+        world.barrier()
+    print(f"rank {comm.rank}: uneven steps ok after {seconds:.2f} s", flush=True)
     return 0
 
 
