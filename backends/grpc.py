@@ -1672,6 +1672,8 @@ class GrpcTransport(Transport):
         self._leave_context(0, next_tag, running)
 
     def _leave_context(self, context: int, next_tag: int, running: bool) -> None:
+        """`leaving` of one context: remember `next_tag` for the note `_close_context` sends. At
+        exit (`running`) nothing: the transport shuts down and its streams end, which says so."""
         if not running:
             with self._lock:
                 self._leaving[context] = next_tag
